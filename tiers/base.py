@@ -93,5 +93,10 @@ class Tier(ABC):
         """Bytes of capacity an object of `nbytes` would consume here."""
         return nbytes
 
+    def quarantine(self, hashes: Iterable[BlockHash]) -> None:
+        """Take objects that failed verification out of service (a tier that
+        can keep them aside for inspection overrides this)."""
+        self.delete_many(hashes)
+
     def close(self) -> None:
         """Release resources; the tier is unusable afterwards."""

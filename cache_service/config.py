@@ -1,0 +1,225 @@
+"""Typed configuration: TOML file + ``TIERKV_*`` environment + overrides.
+
+Built once at the entry point (CLI, daemon, ``connect(url)``); nothing below
+reads an untyped dict. Example ``tierkv.toml``::
+
+    [store]
+    queue_depth = 1024          # per lower tier
+    queue_full = "wait"         # or "skip"
+
+    [tiers.cpu]
+    capacity = "4GiB"
+    policy = "lru"
+
+    [tiers.disk]
+    path = "/var/cache/tierkv"
+    capacity = "100GiB"
+    write = "through"           # or "back" (written when evicted from above)
+
+Environment variables address the same keys with ``__`` between levels:
+``TIERKV_TIERS__CPU__CAPACITY=8GiB``, ``TIERKV_STORE__QUEUE_FULL=skip``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from tiers.types import ConfigError
+
+TIER_ORDER = ("hbm", "cpu", "disk", "s3")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: int | str, key: str = "size") -> int:
+    """Bytes from an int or a string like "4GiB", "512 MiB", "1.5GB"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{key}: cannot parse size {value!r} (use e.g. 4GiB, 512MiB, 1000000)")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ConfigError(f"{key}: size must be positive, got {value!r}")
+    return n
+
+
+def default_cache_dir() -> Path:
+    """``$TIERKV_CACHE_DIR`` or ``$XDG_CACHE_HOME/tierkv`` or ``~/.cache/tierkv``."""
+    if os.environ.get("TIERKV_CACHE_DIR"):
+        return Path(os.environ["TIERKV_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tierkv"
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(choices)}")
+
+
+@dataclass(slots=True)
+class TierConfig:
+    """Settings every tier has."""
+
+    capacity: int = 0
+    policy: str = "lru"
+    write: str = "back"
+
+    def __post_init__(self) -> None:
+        self.capacity = parse_size(self.capacity, "capacity") if self.capacity else 0
+        _check_choice("write", self.write, ("back", "through"))
+        from cache_service.eviction import POLICIES
+
+        _check_choice("policy", self.policy, tuple(POLICIES))
+
+
+@dataclass(slots=True)
+class HbmConfig(TierConfig):
+    device: str = ""
+    slot_bytes: int = 0
+
+
+@dataclass(slots=True)
+class CpuConfig(TierConfig):
+    pin: str = "auto"
+    slot_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        TierConfig.__post_init__(self)
+        _check_choice("pin", self.pin, ("auto", "yes", "no"))
+
+
+@dataclass(slots=True)
+class DiskConfig(TierConfig):
+    path: str = ""
+    fsync: bool = True
+    write: str = "through"
+
+    def __post_init__(self) -> None:
+        TierConfig.__post_init__(self)
+        self.path = self.path or str(default_cache_dir() / "store")
+
+
+@dataclass(slots=True)
+class TiersConfig:
+    """Which tiers exist (None = not configured), top to bottom."""
+
+    hbm: HbmConfig | None = None
+    cpu: CpuConfig | None = field(default_factory=lambda: CpuConfig(capacity=2**30))
+    disk: DiskConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("hbm", "cpu", "disk"):
+            t = getattr(self, name)
+            if t is not None and not t.capacity:
+                raise ConfigError(f"tiers.{name}.capacity is required")
+        if self.cpu is None and self.disk is None and self.hbm is None:
+            raise ConfigError("tiers: configure at least one tier")
+
+
+@dataclass(slots=True)
+class StoreConfig:
+    """Background-write behaviour of the TieredStore."""
+
+    queue_depth: int = 1024
+    queue_full: str = "wait"
+    promote_on_hit: bool = True
+    flush_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.queue_depth <= 0:
+            raise ConfigError(f"store.queue_depth must be positive, got {self.queue_depth}")
+        _check_choice("store.queue_full", self.queue_full, ("wait", "skip"))
+
+
+@dataclass(slots=True)
+class Config:
+    store: StoreConfig = field(default_factory=StoreConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert one raw value (TOML or env string) to the annotated type."""
+    if is_dataclass(tp):
+        return build(tp, value, key)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if value is None else _coerce(key, value, args[0])
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is int and key.rsplit(".", 1)[-1] in ("capacity", "slot_bytes"):
+        return parse_size(value, key)
+    try:
+        if tp in (int, float) and isinstance(value, bool):
+            raise ValueError
+        return tp(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}") from None
+
+
+def build(cls: type, raw: Mapping[str, Any] | None, prefix: str = "") -> Any:
+    """Instantiate dataclass `cls` from a nested mapping; unknown keys fail by name."""
+    raw = raw or {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{prefix or 'config'}: expected a table, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    for k in raw:
+        if k not in known:
+            raise ConfigError(f"unknown config key {prefix + '.' if prefix else ''}{k} (known: {', '.join(sorted(known))})")
+    kwargs = {k: _coerce(f"{prefix + '.' if prefix else ''}{k}", v, hints[k]) for k, v in raw.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        msg = str(e)
+        raise ConfigError(msg if not prefix or msg.startswith(prefix) else f"{prefix}.{msg}") from None
+
+
+def _env_tree(env: Mapping[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith("TIERKV_") or name in ("TIERKV_CACHE_DIR",) or "__" not in name:
+            continue
+        path = name[len("TIERKV_"):].lower().split("__")
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out.get(k) or {}, v) if isinstance(v, Mapping) else v
+    return out
+
+
+def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Config from TOML `path` (optional), then ``TIERKV_*`` env, then `overrides`."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    raw = _merge(raw, _env_tree(os.environ if env is None else env))
+    raw = _merge(raw, overrides or {})
+    return build(Config, raw)

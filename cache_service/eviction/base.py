@@ -1,0 +1,77 @@
+"""The eviction-policy interface the store drives, one instance per tier.
+
+The store decides *when* to evict (its tier is full) and asks the policy
+*which* block goes. The policy only tracks block hashes; it never touches a
+tier. Policies are not thread-safe: the store calls them under its lock.
+
+Call protocol (all hashes are ``BlockHash``):
+
+- ``insert(h)``: ``h`` is now resident in the tier. Inserting a hash that is
+  already resident counts as an access (same as ``touch``).
+- ``touch(h)``: ``h`` was read while resident; a no-op when it is not.
+- ``remove(h)``: ``h`` left the tier for a reason other than eviction
+  (delete, corruption); a no-op when it is not resident.
+- ``victim(pinned)``: pick the next block to evict, skipping every block for
+  which ``pinned(h)`` is true, forget it and return it; ``None`` when no
+  unpinned block is resident. Each call asks ``pinned`` about at most a
+  small multiple of the resident count, so it always terminates.
+
+Skipped pinned blocks are moved out of the way (rotated to the "recently
+used" end, or credited with an access) so that a later call does not walk
+over them again: with few pins each call is amortized O(1).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, ClassVar
+
+from tiers.types import BlockHash, ConfigError
+
+PinnedFn = Callable[[BlockHash], bool]
+
+
+class EvictionPolicy(ABC):
+    """Chooses eviction victims among a tier's resident blocks.
+
+    ``capacity_blocks`` is how many blocks the tier holds when full. LRU and
+    LFU only use it to size bookkeeping; S3-FIFO and ARC size their queues
+    and ghost lists from it. Ghost (history) entries never exceed it.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
+            raise ConfigError(f"eviction capacity_blocks must be a positive int, got {capacity_blocks!r}")
+        self.capacity_blocks = capacity_blocks
+
+    @abstractmethod
+    def insert(self, h: BlockHash) -> None:
+        """Block ``h`` is now resident (new, or re-inserted after leaving)."""
+
+    @abstractmethod
+    def touch(self, h: BlockHash) -> None:
+        """Block ``h`` was hit while resident; ignored when not resident."""
+
+    @abstractmethod
+    def remove(self, h: BlockHash) -> None:
+        """Block ``h`` left the tier without being evicted; no-op if absent."""
+
+    @abstractmethod
+    def victim(self, pinned: PinnedFn) -> BlockHash | None:
+        """Remove and return the next unpinned block to evict, or None."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident blocks tracked."""
+
+    @abstractmethod
+    def __contains__(self, h: object) -> bool:
+        """Whether ``h`` is resident (ghost entries do not count)."""
+
+    def ghost_count(self) -> int:
+        """Non-resident history entries kept (at most ``capacity_blocks``)."""
+        return 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(capacity_blocks={self.capacity_blocks}, resident={len(self)})"

@@ -1,0 +1,324 @@
+"""TieredStore: block lookup, load and store over an ordered list of tiers.
+
+Tiers are ordered top (fastest) to bottom. ``store()`` puts objects into the
+top tier synchronously and returns; every lower tier is written by its own
+background writer (write-through tiers get every new block, write-back tiers
+get blocks when they are evicted from the tier above). ``load()`` reads each
+block from the highest tier that has it, verifies it, and promotes hits into
+the tiers above. Eviction is the store's job: each tier has a policy, pinned
+blocks are never victims, and a victim moves to the next tier down.
+
+Backpressure: with ``queue_full = "wait"`` (default) a full writer queue
+makes the caller wait, so memory stays bounded and no lower copy is lost;
+with ``"skip"`` the lower copy is dropped and counted (``dropped``) and the
+caller never waits on slow storage.
+
+Locks: one per tier (guards its policy and membership changes), always taken
+top to bottom; objects handed to writers stay in an in-flight map, so a
+block stays visible to ``lookup`` and ``load`` while it moves down.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from functools import partial
+from typing import Iterable, Sequence
+
+import torch
+
+from cache_service.config import StoreConfig
+from cache_service.eviction.base import EvictionPolicy
+from cache_service.keys import Namespace
+from cache_service.objects import decode, encode
+from cache_service.writer import Item, TierWriter
+from tiers.base import Tier
+from tiers.types import BlockHash, CapacityError, CorruptBlockError
+
+log = logging.getLogger("tierkv.store")
+_COUNTERS = ("hits", "misses", "evictions", "corrupt", "promoted", "demoted", "dropped", "bypassed")
+
+
+class TieredStore:
+    """The block store; thread-safe. Build with `open_store(config)` or directly."""
+
+    def __init__(self, tiers: Sequence[Tier], policies: Sequence[EvictionPolicy],
+                 write_modes: Sequence[str], cfg: StoreConfig | None = None) -> None:
+        assert tiers and len(tiers) == len(policies) == len(write_modes)
+        self.cfg = cfg or StoreConfig()
+        self.tiers = list(tiers)
+        self.policies = list(policies)
+        self.modes = list(write_modes)
+        self._locks = [threading.RLock() for _ in tiers]
+        self._inflight: dict[BlockHash, list] = {}  # hash -> [object, pending writes]
+        self._meta = threading.Lock()  # guards _inflight, _pins, counters
+        self._pins: dict[BlockHash, float] = {}
+        self.counters = [dict.fromkeys(_COUNTERS, 0) for _ in tiers]
+        self._writers: list[TierWriter | None] = [None] + [
+            TierWriter(t.name, self.cfg.queue_depth, partial(self._persist, i)) for i, t in enumerate(tiers) if i
+        ]
+        for pol, tier in zip(self.policies, self.tiers):
+            for h in tier.keys():  # oldest first, so recency survives a restart
+                pol.insert(h)
+
+    # ------------------------------------------------------------------ queries
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        """Length of the longest prefix of `hashes` that some tier fully holds."""
+        held = [False] * len(hashes)
+        with self._meta:
+            for j, h in enumerate(hashes):
+                held[j] = h in self._inflight
+        for tier in self.tiers:
+            todo = [j for j, ok in enumerate(held) if not ok]
+            if not todo:
+                break
+            for j, ok in zip(todo, tier.contains_many([hashes[j] for j in todo])):
+                held[j] = ok
+        return held.index(False) if False in held else len(held)
+
+    def load(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        """Verified payloads ([layers, 2, block_tokens, kv_heads, head_dim]) per
+        hash, None for a miss. A corrupt object is quarantined, counted and
+        looked for in the next tier down."""
+        out: list[torch.Tensor | None] = [None] * len(hashes)
+        remaining = list(range(len(hashes)))
+        promote: list[tuple[int, BlockHash, torch.Tensor]] = []
+        for i, tier in enumerate(self.tiers):
+            if not remaining:
+                break
+            objs = tier.get_many([hashes[j] for j in remaining])
+            missed = []
+            for j, obj in zip(remaining, objs):
+                if obj is not None and self._accept(i, ns, hashes[j], obj, out, j):
+                    if i and self.cfg.promote_on_hit:
+                        promote.append((i, hashes[j], obj))
+                else:
+                    missed.append(j)
+            missed_set = set(missed)
+            self._touch(i, [hashes[j] for j in remaining if j not in missed_set])
+            self._count(i, hits=len(remaining) - len(missed), misses=len(missed))
+            remaining = missed
+        self._load_inflight(ns, hashes, remaining, out)
+        self._promote(promote)
+        return out
+
+    def _accept(self, i: int, ns: Namespace, h: BlockHash, obj: torch.Tensor, out: list, j: int) -> bool:
+        try:
+            out[j] = decode(obj, ns, h, verify_payload=self.tiers[i].verify_payload)
+            return True
+        except CorruptBlockError as e:
+            log.warning("tier %s: block %s is corrupt (%s); quarantined", self.tiers[i].name, h.hex(), e)
+            self._quarantine(i, h)
+            return False
+
+    def _load_inflight(self, ns: Namespace, hashes: Sequence[BlockHash], todo: list[int], out: list) -> None:
+        with self._meta:
+            found = [(j, self._inflight[hashes[j]][0]) for j in todo if hashes[j] in self._inflight]
+        for j, obj in found:
+            out[j] = decode(obj, ns, hashes[j], verify_payload=False)
+
+    # ------------------------------------------------------------------ writes
+    def store(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
+        """Encode and store blocks; returns once the top tier holds them (or,
+        when the top tier is full of pinned blocks, once they are queued below).
+        Returns how many blocks were new to the top tier."""
+        if len(hashes) != len(payloads):
+            raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
+        held = self.tiers[0].contains_many(hashes)
+        new = [(h, encode(ns, h, p)) for h, p, ok in zip(hashes, payloads, held) if not ok]
+        self._touch(0, [h for h, ok in zip(hashes, held) if ok])
+        stored = self._put(0, new)
+        for i in range(1, len(self.tiers)):
+            if self.modes[i] == "through":
+                self._submit(i, [it for it in new if not self._below_has(i, it[0])])
+        return len(stored)
+
+    def _put(self, i: int, items: Sequence[Item]) -> set[BlockHash]:
+        """Put items into tier i, evicting as needed; victims and items that
+        cannot fit go down. Returns the hashes now held by tier i."""
+        tier, pol = self.tiers[i], self.policies[i]
+        victims: list[Item] = []
+        with self._locks[i]:
+            todo = [it for it, ok in zip(items, tier.contains_many([h for h, _ in items])) if not ok]
+            ok = self._put_locked(i, todo, victims)
+            for (h, _), good in zip(todo, ok):
+                if good:
+                    pol.insert(h)
+        held = {h for h, _ in items} - {h for (h, _), good in zip(todo, ok) if not good}
+        self._count(i, evictions=len(victims))
+        self._demote(i, victims, "demoted")
+        self._demote(i, [it for it, good in zip(todo, ok) if not good], "bypassed")
+        return held
+
+    def _put_locked(self, i: int, todo: Sequence[Item], victims: list[Item]) -> list[bool]:
+        tier = self.tiers[i]
+        try:
+            need = sum(tier.footprint(obj.numel()) for _, obj in todo)
+        except CapacityError:
+            return [False] * len(todo)
+        while tier.free_bytes() < need:
+            v = self.policies[i].victim(self._is_pinned)
+            if v is None:
+                break
+            obj = tier.get_many([v])[0] if i + 1 < len(self.tiers) else None
+            tier.delete_many([v])
+            if obj is not None:
+                victims.append((v, obj))
+        try:
+            return tier.put_many([h for h, _ in todo], [obj for _, obj in todo])
+        except CapacityError:  # one object can never fit: place the others one by one
+            return [self._put_one(tier, it) for it in todo]
+
+    @staticmethod
+    def _put_one(tier: Tier, item: Item) -> bool:
+        try:
+            return tier.put_many([item[0]], [item[1]])[0]
+        except CapacityError:
+            return False
+
+    def _demote(self, i: int, items: Sequence[Item], counter: str) -> None:
+        """Send items evicted from (or not fitting in) tier i to tier i + 1."""
+        if not items:
+            return
+        if i + 1 >= len(self.tiers):
+            self._count(i, dropped=len(items) if counter == "bypassed" else 0)
+            return
+        todo = [it for it in items if not self._below_has(i + 1, it[0])]
+        self._count(i, **{counter: len(todo)})
+        self._submit(i + 1, todo)
+
+    def _below_has(self, i: int, h: BlockHash) -> bool:
+        return self.tiers[i].contains_many([h])[0]
+
+    def _submit(self, i: int, items: Sequence[Item]) -> None:
+        writer = self._writers[i]
+        assert writer is not None
+        wait = self.cfg.queue_full == "wait"
+        for h, obj in items:
+            with self._meta:
+                entry = self._inflight.setdefault(h, [obj, 0])
+                entry[1] += 1
+            if not writer.submit((h, obj), wait):
+                self._release([h])
+                self._count(i, dropped=1)
+
+    def _release(self, hashes: Iterable[BlockHash]) -> None:
+        with self._meta:
+            for h in hashes:
+                entry = self._inflight.get(h)
+                if entry is not None:
+                    entry[1] -= 1
+                    if entry[1] <= 0:
+                        del self._inflight[h]
+
+    def _persist(self, i: int, batch: Sequence[Item]) -> None:
+        """Writer-thread body for tier i: put a batch, demoting victims below."""
+        with self._meta:  # a block deleted while queued must not come back
+            live = [it for it in batch if it[0] in self._inflight]
+        try:
+            self._put(i, live)
+        finally:
+            self._release(h for h, _ in batch)
+
+    def _promote(self, hits: Sequence[tuple[int, BlockHash, torch.Tensor]]) -> None:
+        """Hits from tier i go into the top tier now and into tiers 1..i-1 in
+        the background, so a load never waits on a slow tier's write."""
+        for i in range(len(self.tiers) - 1, 0, -1):
+            items = [(h, obj) for k, h, obj in hits if k == i]
+            if not items:
+                continue
+            self._count(0, promoted=len(self._put(0, items)))
+            for up in range(1, i):
+                self._submit(up, items)
+
+    # ------------------------------------------------------------------ admin
+    def delete(self, hashes: Sequence[BlockHash]) -> int:
+        """Remove blocks from every tier; returns how many tier copies went."""
+        with self._meta:
+            for h in hashes:
+                self._inflight.pop(h, None)
+                self._pins.pop(h, None)
+        n = 0
+        for i, tier in enumerate(self.tiers):
+            with self._locks[i]:
+                n += tier.delete_many(hashes)
+                for h in hashes:
+                    self.policies[i].remove(h)
+        return n
+
+    def pin(self, hashes: Sequence[BlockHash], ttl_s: float | None = None) -> None:
+        """Keep blocks out of eviction until `ttl_s` passes (None: until unpin)."""
+        until = math.inf if ttl_s is None else time.monotonic() + ttl_s
+        with self._meta:
+            for h in hashes:
+                self._pins[h] = max(until, self._pins.get(h, 0.0))
+
+    def unpin(self, hashes: Sequence[BlockHash]) -> None:
+        with self._meta:
+            for h in hashes:
+                self._pins.pop(h, None)
+
+    def _is_pinned(self, h: BlockHash) -> bool:
+        with self._meta:
+            until = self._pins.get(h)
+            if until is not None and until <= time.monotonic():
+                del self._pins[h]
+                until = None
+        return until is not None
+
+    def _quarantine(self, i: int, h: BlockHash) -> None:
+        with self._locks[i]:
+            self.tiers[i].quarantine([h])
+            self.policies[i].remove(h)
+        self._count(i, corrupt=1)
+
+    def _touch(self, i: int, hashes: Sequence[BlockHash]) -> None:
+        if hashes:
+            with self._locks[i]:
+                for h in hashes:
+                    self.policies[i].touch(h)
+
+    def _count(self, i: int, **deltas: int) -> None:
+        with self._meta:
+            c = self.counters[i]
+            for k, v in deltas.items():
+                c[k] += v
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier: store counters (hits, misses, evictions, corrupt, ...)
+        merged with the tier's own (bytes, blocks, capacity) and queue depth."""
+        out = {}
+        for i, tier in enumerate(self.tiers):
+            with self._meta:
+                c = dict(self.counters[i])
+            t = tier.stats.as_dict()
+            t.update(c)
+            t["queue_depth"] = self._writers[i].depth() if self._writers[i] else 0
+            out[tier.name] = t
+        return out
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every background write has landed (True) or timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for w in self._writers[1:]:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if w is not None and not w.flush(left):
+                return False
+        return True
+
+    def close(self) -> None:
+        """Flush background writes (up to cfg.flush_timeout_s), then close tiers."""
+        if not self.flush(self.cfg.flush_timeout_s):
+            log.warning("close: background writes did not finish within %.0fs", self.cfg.flush_timeout_s)
+        for w in self._writers[1:]:
+            if w is not None:
+                w.stop(1.0)
+        for tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,277 @@
+"""Memory tiers as fixed-slot pools: `SlotPool`, and the pinned host `CpuTier`.
+
+One big ``uint8`` tensor ``[num_slots, slot_bytes]`` is allocated once; a block
+object occupies one slot. Puts and loads are plain ``copy_`` calls into and out
+of slots, so the hot path allocates nothing (``get_into``) or only the tensor
+it hands out (``get_many``).
+
+Concurrency: a short lock guards the free list and the index, never a copy.
+A put copies into a slot it reserved but has not yet published; a reader pins
+the slot it copies from, and a slot deleted while pinned goes back to the free
+list only when its last reader is done. So no copy ever races a reuse.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Sequence
+
+import torch
+
+from tiers.base import Tier
+from tiers.types import BlockHash, CapacityError, TierKVError
+
+
+class SlotPool(Tier):
+    """A fixed-slot object pool on one torch device.
+
+    `slot_bytes` None sizes the slots lazily from the first object put. The
+    pool holds ``capacity_bytes // slot_bytes`` slots; each object consumes one
+    whole slot, whatever its size.
+    """
+
+    verify_payload = False
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int | None = None,
+                 device: str | torch.device = "cpu", pin: bool = False) -> None:
+        super().__init__(capacity_bytes)
+        self.device = torch.device(device)
+        self.pinned = pin
+        self.slot_bytes = 0
+        self.num_slots = 0
+        self._pool: torch.Tensor | None = None
+        self._free: list[int] = []
+        self._index: dict[BlockHash, tuple[int, int]] = {}  # hash -> (slot, nbytes)
+        self._readers: dict[int, int] = {}  # slot -> copies in flight out of it
+        self._released: set[int] = set()  # deleted slots still being read
+        self._closed = False
+        self._lock = threading.Lock()
+        if slot_bytes is not None:
+            self._allocate(slot_bytes)
+
+    # -- sizing -----------------------------------------------------------------
+
+    def _allocate(self, slot_bytes: int) -> None:
+        """Allocate the pool; caller holds the lock or is the constructor."""
+        if slot_bytes <= 0:
+            raise CapacityError(f"{self.name}: slot size must be positive, got {slot_bytes}")
+        if slot_bytes > self.capacity_bytes:
+            raise CapacityError(
+                f"{self.name}: slot of {slot_bytes} B exceeds capacity {self.capacity_bytes} B")
+        self.num_slots = self.capacity_bytes // slot_bytes
+        self._pool = torch.empty((self.num_slots, slot_bytes), dtype=torch.uint8,
+                                 device=self.device, pin_memory=self.pinned)
+        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.slot_bytes = slot_bytes
+
+    def footprint(self, nbytes: int) -> int:
+        """One whole slot; CapacityError if `nbytes` can never fit a slot."""
+        if self.slot_bytes == 0:
+            if nbytes > self.capacity_bytes:
+                raise CapacityError(
+                    f"{self.name}: object of {nbytes} B exceeds capacity {self.capacity_bytes} B")
+            return nbytes  # the first put will size slots to exactly this
+        if nbytes > self.slot_bytes:
+            raise CapacityError(f"{self.name}: object of {nbytes} B exceeds slot size {self.slot_bytes} B")
+        return self.slot_bytes
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            if self.slot_bytes == 0:
+                return 0 if self._closed else self.capacity_bytes
+            return len(self._free) * self.slot_bytes
+
+    # -- writes -----------------------------------------------------------------
+
+    def put_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[bool]:
+        assert len(hashes) == len(objs), "one object per hash"
+        for obj in objs:
+            assert obj.dtype == torch.uint8 and obj.dim() == 1 and obj.is_contiguous(), \
+                "objects are 1-D contiguous uint8 tensors"
+        with self._lock:
+            self._check_open()
+            if self._pool is None and objs:
+                self._allocate(objs[0].numel())
+            for obj in objs:  # all or nothing: refuse the batch before storing any of it
+                self.footprint(obj.numel())
+            ok, todo = self._reserve(hashes)
+            copies = [(self._slot(slot, objs[i].numel()), objs[i]) for i, slot in todo]
+        _copy_all(copies)
+        self._publish(hashes, objs, todo)
+        return ok
+
+    def _reserve(self, hashes: Sequence[BlockHash]) -> tuple[list[bool], list[tuple[int, int]]]:
+        """Pick a free slot for each new hash (caller holds the lock)."""
+        ok = [False] * len(hashes)
+        todo: list[tuple[int, int]] = []  # (position in batch, reserved slot)
+        seen: set[BlockHash] = set()
+        for i, h in enumerate(hashes):
+            if h in self._index:
+                ok[i] = True
+            elif h not in seen and self._free:
+                seen.add(h)
+                todo.append((i, self._free.pop()))
+                ok[i] = True
+        return ok, todo
+
+    def _publish(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],
+                 todo: list[tuple[int, int]]) -> None:
+        """Make freshly copied slots visible; a racing put of the same hash wins."""
+        added = nbytes_in = 0
+        with self._lock:
+            for i, slot in todo:
+                h = hashes[i]
+                if self._closed or h in self._index:
+                    self._free.append(slot)
+                    continue
+                self._index[h] = (slot, objs[i].numel())
+                added += 1
+                nbytes_in += objs[i].numel()
+            self.stats.add(blocks=added, used_bytes=added * self.slot_bytes, bytes_in=nbytes_in)
+
+    def delete_many(self, hashes: Iterable[BlockHash]) -> int:
+        removed = 0
+        with self._lock:
+            for h in hashes:
+                entry = self._index.pop(h, None)
+                if entry is None:
+                    continue
+                removed += 1
+                slot = entry[0]
+                if self._readers.get(slot):
+                    self._released.add(slot)  # freed by the last reader
+                else:
+                    self._free.append(slot)
+            self.stats.add(blocks=-removed, used_bytes=-removed * self.slot_bytes)
+        return removed
+
+    # -- reads ------------------------------------------------------------------
+
+    def get_many(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        """Fresh tensors on this tier's device; the caller owns them."""
+        found = self._acquire(hashes)
+        out: list[torch.Tensor | None] = [None] * len(hashes)
+        copies = []
+        try:
+            for i, entry in enumerate(found):
+                if entry is not None:
+                    out[i] = torch.empty(entry[1].numel(), dtype=torch.uint8, device=self.device)
+                    copies.append((out[i], entry[1]))
+            _copy_all(copies)
+        finally:
+            self._release(found)
+        return out
+
+    def get_into(self, hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy each held object into the prefix of the caller's buffer (any device).
+
+        The allocation-free load path. Returns False for a miss, leaving that
+        buffer untouched. Copies are issued non-blocking where a pinned host
+        side allows it and complete before this returns.
+        """
+        assert len(hashes) == len(outs), "one buffer per hash"
+        found = self._acquire(hashes)
+        copies = []
+        try:
+            for entry, out in zip(found, outs):
+                if entry is None:
+                    continue
+                n = entry[1].numel()
+                if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < n:
+                    raise TierKVError(f"{self.name}: get_into buffer must be 1-D uint8 of >= {n} B")
+                copies.append((out[:n], entry[1]))
+            _copy_all(copies)
+        finally:
+            self._release(found)
+        return [entry is not None for entry in found]
+
+    def _acquire(self, hashes: Sequence[BlockHash]) -> list[tuple[int, torch.Tensor] | None]:
+        """(slot, view of the object) per hash, the slot pinned against reuse
+        until `_release`; counts hits and misses."""
+        found: list[tuple[int, torch.Tensor] | None] = []
+        with self._lock:
+            self._check_open()
+            for h in hashes:
+                entry = self._index.get(h)
+                if entry is None:
+                    found.append(None)
+                    continue
+                self._readers[entry[0]] = self._readers.get(entry[0], 0) + 1
+                found.append((entry[0], self._slot(*entry)))
+        hits = [view.numel() for _, view in filter(None, found)]
+        self.stats.add(hits=len(hits), misses=len(found) - len(hits), bytes_out=sum(hits))
+        return found
+
+    def _release(self, found: list[tuple[int, torch.Tensor] | None]) -> None:
+        with self._lock:
+            for entry in found:
+                if entry is None:
+                    continue
+                slot = entry[0]
+                left = self._readers[slot] - 1
+                if left:
+                    self._readers[slot] = left
+                    continue
+                del self._readers[slot]
+                if slot in self._released:
+                    self._released.discard(slot)
+                    self._free.append(slot)
+
+    # -- queries ----------------------------------------------------------------
+
+    def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        with self._lock:
+            return [h in self._index for h in hashes]
+
+    def keys(self) -> list[BlockHash]:
+        """Held hashes, oldest put first."""
+        with self._lock:
+            return list(self._index)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._index.clear()
+            self._free.clear()
+            self._pool = None
+            self.stats.add(blocks=-self.stats.blocks, used_bytes=-self.stats.used_bytes)
+
+    def _slot(self, slot: int, nbytes: int) -> torch.Tensor:
+        assert self._pool is not None
+        return self._pool[slot, :nbytes]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierKVError(f"{self.name}: tier is closed")
+
+
+class CpuTier(SlotPool):
+    """Host-memory tier: a slot pool, page-locked when CUDA is present so
+    loads to and stores from the GPU run as async DMA."""
+
+    name = "cpu"
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int | None = None, pin: bool | None = None) -> None:
+        if pin is None:
+            pin = torch.cuda.is_available()
+        super().__init__(capacity_bytes, slot_bytes, device="cpu", pin=pin)
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """`dst.copy_(src)` for each pair, then wait for any async device copies.
+
+    A copy between a pinned host tensor and a GPU one may run asynchronously;
+    issuing all of them before one wait per device overlaps the batch, and the
+    wait guarantees no slot is reused or handed out while a copy still reads
+    or writes it.
+    """
+    devices: set[torch.device] = set()
+    for dst, src in pairs:
+        cross = dst.device != src.device
+        host = src if dst.device.type == "cuda" else dst
+        async_ok = cross and host.device.type == "cpu" and host.is_pinned()
+        dst.copy_(src, non_blocking=async_ok)
+        for t in (dst, src):
+            if t.device.type == "cuda":
+                devices.add(t.device)
+    for dev in devices:
+        torch.cuda.current_stream(dev).synchronize()

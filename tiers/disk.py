@@ -1,0 +1,414 @@
+"""Local NVMe tier: one file per block object, an lmdb index as the truth.
+
+Layout under `root`:
+
+    data/<hh>/<hash hex>   block objects (hh = first byte of the hash, hex)
+    quarantine/            files that failed verification, kept for forensics
+    index.lmdb/            hash -> (file size, xxh3_64 of the file, last access ns)
+    LOCK                   flock held by the one process that owns the tier
+
+Crash safety: a put writes a temp file in the final directory, fsyncs it,
+renames it over the final name and fsyncs the directory; only then does it
+commit the index entry. So after any crash every indexed file is complete,
+and whatever is on disk but not indexed is garbage that opening removes.
+Reads check size and checksum against the index anyway (bit rot, outside
+writers): a mismatch is a miss and the file is quarantined.
+
+An in-memory mirror of the index answers lookups; last-access times are
+updated there and reach lmdb with the next write transaction (put, delete,
+`flush`, `close`), so a read never waits for a commit.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import struct
+import threading
+import time
+from itertools import count
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import lmdb
+import torch
+import xxhash
+
+from tiers.base import Tier
+from tiers.types import HASH_BYTES, BlockHash, CapacityError, TierKVError, TierUnavailableError
+
+log = logging.getLogger(__name__)
+
+_ENTRY = struct.Struct("<QQQ")  # file size, xxh3_64 of the file bytes, last access (ns since epoch)
+_TMP_PREFIX = ".tmp-"
+
+
+class _Entry:
+    """One indexed file. Identity matters: a reader that raced a delete or a
+    re-put sees a different object and must not quarantine the new file."""
+
+    __slots__ = ("size", "csum", "atime")
+
+    def __init__(self, size: int, csum: int, atime: int) -> None:
+        self.size, self.csum, self.atime = size, csum, atime
+
+    def pack(self) -> bytes:
+        return _ENTRY.pack(self.size, self.csum, self.atime)
+
+
+class DiskTier(Tier):
+    """Block objects as checksummed files under `root`, indexed by lmdb.
+
+    `fsync` False skips every fsync (tests, throwaway caches): the tier stays
+    consistent across process crashes but not across power loss. `map_size`
+    bounds the lmdb index (a sparse mapping; 16 GiB indexes ~100M blocks).
+    """
+
+    name = "disk"
+    verify_payload = False  # sizes and checksums are verified on every read
+
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int, fsync: bool = True,
+                 map_size: int = 1 << 34) -> None:
+        super().__init__(capacity_bytes)
+        self.root = Path(root)
+        self.fsync = fsync
+        self._data = self.root / "data"
+        self._quarantine_dir = self.root / "quarantine"
+        self._make_dirs()
+        self._lock_fd = _lock_root(self.root)
+        try:
+            self._env = lmdb.open(str(self.root / "index.lmdb"), map_size=map_size, subdir=True,
+                                  sync=fsync, metasync=fsync, readahead=False, max_dbs=0)
+        except lmdb.Error as e:
+            os.close(self._lock_fd)
+            raise TierUnavailableError(f"disk tier {self.root}: cannot open index: {e}") from e
+        self._lock = threading.Lock()  # guards the mirror, reservations and the clock
+        self._commit_lock = threading.Lock()  # serializes index writes and renames/unlinks in data/
+        self._index: dict[BlockHash, _Entry] = {}
+        self._dirty: set[BlockHash] = set()  # atime changed since the last index write
+        self._used = 0
+        self._reserved = 0  # bytes of puts in flight
+        self._clock = 0
+        self._seq = count()
+        self._closed = False
+        self._recover()
+
+    # -- open -------------------------------------------------------------------
+
+    def _make_dirs(self) -> None:
+        for d in (self.root, self._data, self._quarantine_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        for b in range(256):  # all fan-out dirs exist up front: a put never creates one
+            (self._data / f"{b:02x}").mkdir(exist_ok=True)
+        if self.fsync:
+            _fsync_dir(self._data)
+            _fsync_dir(self.root)
+
+    def _recover(self) -> None:
+        """Make disk agree with the index: drop entries without a complete
+        file, remove files and temp files the index does not know."""
+        with self._env.begin() as txn:
+            entries = {BlockHash(bytes(k)): _Entry(*_ENTRY.unpack(v)) for k, v in txn.cursor()}
+        kept: dict[BlockHash, _Entry] = {}
+        for hh in os.scandir(self._data):
+            if not hh.is_dir(follow_symlinks=False):
+                continue
+            for f in os.scandir(hh.path):
+                h = _parse_name(f.name, hh.name)
+                e = entries.get(h) if h is not None else None
+                if e is not None and f.is_file(follow_symlinks=False) and f.stat().st_size == e.size:
+                    kept[h] = e
+                else:
+                    _unlink_quiet(f.path)
+        dropped = [h for h in entries if h not in kept]
+        if dropped:
+            log.warning("disk tier %s: dropping %d index entries without a valid file", self.root, len(dropped))
+            self._write_index({}, dropped)
+        self._index = kept
+        self._used = sum(e.size for e in kept.values())
+        self._clock = max((e.atime for e in kept.values()), default=0)
+        self.stats.add(blocks=len(kept), used_bytes=self._used)
+
+    # -- sizing -----------------------------------------------------------------
+
+    def path_of(self, h: BlockHash) -> Path:
+        """Where the data file of `h` lives (whether or not it exists)."""
+        return self._data / f"{h[0]:02x}" / h.hex()
+
+    def footprint(self, nbytes: int) -> int:
+        if nbytes > self.capacity_bytes:
+            raise CapacityError(f"disk: object of {nbytes} B exceeds capacity {self.capacity_bytes} B")
+        return nbytes
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return max(0, self.capacity_bytes - self._used - self._reserved)
+
+    # -- writes -----------------------------------------------------------------
+
+    def put_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[bool]:
+        assert len(hashes) == len(objs), "one object per hash"
+        for obj in objs:
+            assert obj.dtype == torch.uint8 and obj.dim() == 1 and obj.is_contiguous(), \
+                "objects are 1-D contiguous uint8 tensors"
+            self.footprint(obj.numel())
+        todo: list[int] = []
+        with self._lock:
+            self._check_open()
+            seen: set[BlockHash] = set()
+            for i, (h, obj) in enumerate(zip(hashes, objs)):
+                if h in seen or h in self._index:
+                    continue
+                seen.add(h)
+                if self._used + self._reserved + obj.numel() <= self.capacity_bytes:
+                    self._reserved += obj.numel()
+                    todo.append(i)
+        try:
+            written = [self._write_temp(hashes[i], objs[i]) for i in todo]
+            self._commit([w for w in written if w is not None])
+        finally:
+            with self._lock:
+                self._reserved -= sum(objs[i].numel() for i in todo)
+        return self.contains_many(hashes)
+
+    def _write_temp(self, h: BlockHash, obj: torch.Tensor) -> tuple[BlockHash, Path, _Entry] | None:
+        """Write `obj` durably under a temp name next to its final path.
+
+        Returns None (temp file removed) when the write fails: ENOSPC is a
+        full disk, anything else is counted as an error.
+        """
+        data = memoryview(obj.cpu().numpy())
+        tmp = self.path_of(h).with_name(f"{_TMP_PREFIX}{h.hex()}-{os.getpid()}-{next(self._seq)}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = data
+                while view:
+                    view = view[os.write(fd, view):]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            _unlink_quiet(tmp)
+            if e.errno != errno.ENOSPC:
+                log.warning("disk tier %s: writing %s failed: %s", self.root, tmp, e)
+                self.stats.add(errors=1)
+            return None
+        return h, tmp, _Entry(len(data), xxhash.xxh3_64_intdigest(data), 0)
+
+    def _commit(self, written: list[tuple[BlockHash, Path, _Entry]]) -> None:
+        """Rename temp files into place, then index them; on failure remove
+        them all (a crash in between leaves orphans, which open removes)."""
+        if not written:
+            return
+        with self._commit_lock:
+            with self._lock:  # a racing put of the same hash may have won already
+                fresh = [w for w in written if w[0] not in self._index]
+            for h, tmp, _ in written:
+                if h in self._index:
+                    _unlink_quiet(tmp)
+            try:
+                for h, tmp, _ in fresh:
+                    os.rename(tmp, self.path_of(h))
+                if self.fsync:
+                    for d in {self.path_of(h).parent for h, _, _ in fresh}:
+                        _fsync_dir(d)
+                with self._lock:
+                    for _, _, e in fresh:
+                        e.atime = self._tick()
+                ok = self._write_index({h: e for h, _, e in fresh}, [])
+            except OSError as e:
+                log.warning("disk tier %s: publishing %d files failed: %s", self.root, len(fresh), e)
+                ok = False
+            if not ok:
+                self.stats.add(errors=1)
+                for h, tmp, _ in fresh:
+                    _unlink_quiet(tmp)
+                    _unlink_quiet(self.path_of(h))
+                return
+            with self._lock:
+                for h, _, e in fresh:
+                    self._index[h] = e
+                self._used += sum(e.size for _, _, e in fresh)
+            nbytes = sum(e.size for _, _, e in fresh)
+            self.stats.add(blocks=len(fresh), used_bytes=nbytes, bytes_in=nbytes)
+
+    def delete_many(self, hashes: Iterable[BlockHash]) -> int:
+        with self._commit_lock:
+            with self._lock:
+                self._check_open()
+                gone = {h: self._index.pop(h) for h in set(hashes) if h in self._index}
+                self._dirty.difference_update(gone)
+                self._used -= sum(e.size for e in gone.values())
+            if not gone:
+                return 0
+            # Index first: a crash before the unlinks leaves orphans, which open removes.
+            if not self._write_index({}, list(gone)):
+                self.stats.add(errors=1)
+            for h in gone:
+                _unlink_quiet(self.path_of(h))
+        self.stats.add(blocks=-len(gone), used_bytes=-sum(e.size for e in gone.values()))
+        return len(gone)
+
+    def _write_index(self, puts: dict[BlockHash, _Entry], dels: list[BlockHash]) -> bool:
+        """One lmdb write transaction: `puts`, `dels`, and every pending
+        last-access update. Caller holds the commit lock (or is opening)."""
+        with self._lock:
+            touched = {h: self._index[h].pack() for h in self._dirty if h in self._index}
+        try:
+            with self._env.begin(write=True) as txn:
+                for h, e in puts.items():
+                    txn.put(h, e.pack())
+                for h in dels:
+                    txn.delete(h)
+                for h, packed in touched.items():
+                    txn.put(h, packed)
+        except lmdb.Error as e:
+            log.warning("disk tier %s: index write failed: %s", self.root, e)
+            return False
+        with self._lock:  # an access since the snapshot stays dirty
+            self._dirty.difference_update(
+                h for h, packed in touched.items() if h in self._index and self._index[h].pack() == packed)
+        return True
+
+    # -- reads ------------------------------------------------------------------
+
+    def get_many(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        """Verified copies of the files; a damaged or missing file is a miss
+        and is quarantined."""
+        with self._lock:
+            self._check_open()
+            entries = [self._index.get(h) for h in hashes]
+            for h, e in zip(hashes, entries):
+                if e is not None:
+                    e.atime = self._tick()
+                    self._dirty.add(h)
+        out: list[torch.Tensor | None] = []
+        for h, e in zip(hashes, entries):
+            obj = self._read(h, e) if e is not None else None
+            if obj is None and e is not None:
+                self._quarantine(h, e)
+            out.append(obj)
+        hits = [o.numel() for o in out if o is not None]
+        self.stats.add(hits=len(hits), misses=len(out) - len(hits), bytes_out=sum(hits))
+        return out
+
+    def _read(self, h: BlockHash, e: _Entry) -> torch.Tensor | None:
+        """The file's bytes if its size and checksum match `e`, else None."""
+        buf = torch.empty(e.size, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        try:
+            with open(self.path_of(h), "rb", buffering=0) as f:
+                if os.fstat(f.fileno()).st_size != e.size:
+                    return None
+                n = 0
+                while n < e.size:
+                    got = f.readinto(view[n:])
+                    if not got:
+                        return None
+                    n += got
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            log.warning("disk tier %s: reading %s failed: %s", self.root, h.hex(), err)
+            self.stats.add(errors=1)
+            return None
+        return buf if xxhash.xxh3_64_intdigest(view) == e.csum else None
+
+    def _quarantine(self, h: BlockHash, e: _Entry) -> None:
+        """Unindex `h` and move its file aside, unless a delete or a re-put
+        replaced entry `e` while it was being read (then it is a plain miss)."""
+        with self._commit_lock:
+            with self._lock:
+                if self._closed or self._index.get(h) is not e:
+                    return
+                del self._index[h]
+                self._dirty.discard(h)
+                self._used -= e.size
+            log.warning("disk tier %s: block %s failed verification, quarantined", self.root, h.hex())
+            if not self._write_index({}, [h]):
+                self.stats.add(errors=1)
+            try:
+                os.rename(self.path_of(h), self._quarantine_dir / f"{h.hex()}-{os.getpid()}-{next(self._seq)}")
+            except FileNotFoundError:
+                pass
+        self.stats.add(corrupt=1, blocks=-1, used_bytes=-e.size)
+
+    # -- queries ----------------------------------------------------------------
+
+    def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        with self._lock:
+            return [h in self._index for h in hashes]
+
+    def keys(self) -> list[BlockHash]:
+        """Held hashes, least recently used (read or written) first."""
+        with self._lock:
+            return sorted(self._index, key=lambda h: self._index[h].atime)
+
+    def flush(self) -> None:
+        """Write pending last-access times to the index."""
+        with self._commit_lock:
+            self._check_open()
+            if self._dirty and not self._write_index({}, []):
+                self.stats.add(errors=1)
+
+    def close(self) -> None:
+        """Flush last-access times, close the index and release the root."""
+        with self._commit_lock:
+            if self._closed:
+                return
+            if self._dirty:
+                self._write_index({}, [])
+            with self._lock:
+                self._closed = True
+            self._env.close()
+            os.close(self._lock_fd)
+
+    def _tick(self) -> int:
+        """A strictly increasing wall-clock timestamp (caller holds the lock)."""
+        self._clock = max(time.time_ns(), self._clock + 1)
+        return self._clock
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierKVError(f"disk tier {self.root} is closed")
+
+
+def _lock_root(root: Path) -> int:
+    """Take the exclusive flock on `root`: one process owns a tier directory,
+    since opening one deletes files it does not know (another's temp files)."""
+    fd = os.open(root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise TierUnavailableError(f"disk tier {root} is in use by another process") from None
+    return fd
+
+
+def _parse_name(name: str, fanout: str) -> BlockHash | None:
+    """The hash a data file is named after, or None for anything else."""
+    if len(name) != 2 * HASH_BYTES or name[:2] != fanout:
+        return None
+    try:
+        h = bytes.fromhex(name)
+    except ValueError:
+        return None
+    return BlockHash(h) if h.hex() == name else None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quiet(path: str | os.PathLike) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
