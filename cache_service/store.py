@@ -287,12 +287,14 @@ class TieredStore:
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier: store counters (hits, misses, evictions, corrupt, ...)
-        merged with the tier's own (bytes, blocks, capacity) and queue depth."""
+        merged with the tier's own (bytes, blocks, capacity) and queue depth.
+        Hits and misses are the store's (the tier also serves eviction reads)."""
         out = {}
         for i, tier in enumerate(self.tiers):
             with self._meta:
                 c = dict(self.counters[i])
             t = tier.stats.as_dict()
+            c["corrupt"] += t["corrupt"]  # the tier's own checksum failures plus ours
             t.update(c)
             t["queue_depth"] = self._writers[i].depth() if self._writers[i] else 0
             out[tier.name] = t

@@ -1,0 +1,35 @@
+"""Shared scaffolding for store tests: a small namespace and key-derived payloads."""
+from __future__ import annotations
+
+import torch
+
+from cache_service.config import load_config
+from cache_service.factory import open_store
+from cache_service.keys import Namespace, prefix_hashes
+from cache_service.objects import object_size
+from cache_service.store import TieredStore
+
+NS = Namespace("test-model", "bfloat16", num_layers=2, kv_heads=2, head_dim=16, block_tokens=4)
+OBJ = object_size(NS)
+
+
+def hashes(n: int, start: int = 0) -> list:
+    """n chained block hashes of a deterministic prompt."""
+    return prefix_hashes(NS, range(start, start + 4 * n))
+
+
+def payload_for(h: bytes) -> torch.Tensor:
+    """Content derived from the key, so any returned block can be checked."""
+    g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & (2**63 - 1))
+    return torch.randn(NS.block_shape, generator=g).to(torch.bfloat16)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+
+
+def make_store(root, cpu_blocks: int = 16, disk_blocks: int | None = 4096, **store) -> TieredStore:
+    tiers = {"cpu": {"capacity": cpu_blocks * OBJ, "slot_bytes": OBJ}}
+    if disk_blocks:
+        tiers["disk"] = {"path": str(root), "capacity": disk_blocks * OBJ, "fsync": True}
+    return open_store(load_config(env={}, overrides={"tiers": tiers, "store": store}))

@@ -1,0 +1,57 @@
+"""Config: TOML + env + overrides into typed dataclasses; bad keys name themselves."""
+import pytest
+
+from cache_service.config import load_config, parse_size
+from tiers.types import ConfigError
+
+
+def test_sizes_parse_with_units():
+    # binary and decimal units, plain ints
+    assert parse_size("4GiB") == 4 * 2**30
+    assert parse_size("512 MiB") == 512 * 2**20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size(1000) == 1000
+    for bad in ("4 parsecs", "-1", "0", True):
+        with pytest.raises(ConfigError):
+            parse_size(bad, "tiers.cpu.capacity")
+
+
+def test_toml_env_and_overrides_layer_in_order(tmp_path):
+    # the file sets the tiers, env overrides one value, overrides win last
+    f = tmp_path / "tierkv.toml"
+    f.write_text('[store]\nqueue_full = "skip"\n[tiers.cpu]\ncapacity = "64MiB"\npolicy = "arc"\n'
+                 f'[tiers.disk]\npath = "{tmp_path}/d"\ncapacity = "1GiB"\nfsync = false\n')
+    env = {"TIERKV_TIERS__CPU__CAPACITY": "128MiB", "TIERKV_STORE__QUEUE_DEPTH": "7", "UNRELATED": "x"}
+    cfg = load_config(f, env=env, overrides={"tiers": {"disk": {"policy": "s3fifo"}}})
+    assert cfg.store.queue_full == "skip" and cfg.store.queue_depth == 7
+    assert cfg.tiers.cpu.capacity == 128 * 2**20 and cfg.tiers.cpu.policy == "arc"
+    assert cfg.tiers.disk.fsync is False and cfg.tiers.disk.policy == "s3fifo"
+    assert cfg.tiers.disk.write == "through" and cfg.tiers.hbm is None
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[tiers.cpu]\ncapacty = 1\n", "tiers.cpu.capacty"),
+    ("[tiers.cpu]\ncapacity = '1GiB'\npolicy = 'mru'\n", "policy"),
+    ("[store]\nqueue_full = 'explode'\n", "store.queue_full"),
+    ("[store]\nqueue_depth = 'many'\n", "store.queue_depth"),
+    ("[tiers.disk]\npath = '/x'\n", "tiers.disk.capacity"),
+    ("[tiers.cpu]\ncapacity = 'lots'\n", "tiers.cpu.capacity"),
+    ("not toml at all [", "not valid TOML"),
+])
+def test_bad_config_names_the_key(tmp_path, text, needle):
+    # each mistake raises ConfigError whose message names what is wrong
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config(f, env={})
+
+
+def test_bad_env_value_names_the_key():
+    # a wrong value in the environment is reported with its dotted key
+    with pytest.raises(ConfigError, match="fsync"):
+        load_config(env={"TIERKV_TIERS__DISK__CAPACITY": "1GiB", "TIERKV_TIERS__DISK__FSYNC": "maybe"})
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "nope.toml", env={})

@@ -1,0 +1,470 @@
+"""Eviction policies: registry, pins, each policy's characteristic behaviour,
+a property test against a reference model, and a work-count check that
+victim selection stays O(1) amortized."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from collections import OrderedDict
+from itertools import takewhile
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache_service.eviction import POLICIES, EvictionPolicy, make_policy
+from cache_service.eviction.arc import ARCPolicy
+from cache_service.eviction.lfu import LFUPolicy
+from cache_service.eviction.lru import LRUPolicy
+from cache_service.eviction.s3fifo import S3FIFOPolicy
+from tiers.types import BlockHash, ConfigError
+
+
+def H(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(16, "big"))
+
+
+def no_pins(h: BlockHash) -> bool:
+    return False
+
+
+def access(policy: EvictionPolicy, h: BlockHash, capacity: int, pinned=no_pins) -> BlockHash | None:
+    """What the store does for one block: a hit touches it; a miss evicts
+    first when the tier is full, then inserts. Returns the victim, if any."""
+    if h in policy:
+        policy.touch(h)
+        return None
+    v = policy.victim(pinned) if len(policy) >= capacity else None
+    policy.insert(h)
+    return v
+
+
+# ---------------------------------------------------------------- registry
+def test_registry_builds_every_policy_by_name():
+    for name in POLICIES:
+        # each name yields a fresh, empty policy of that name
+        p = make_policy(name, 8)
+        assert isinstance(p, EvictionPolicy) and p.name == name and len(p) == 0
+    assert set(POLICIES) == {"lru", "lfu", "s3fifo", "arc"}
+
+
+def test_registry_imports_a_policy_module_on_first_use():
+    # a fresh interpreter: importing the package loads no policy module
+    code = (
+        "import sys, cache_service.eviction as e\n"
+        "mods = lambda: {m for m in sys.modules if m.startswith('cache_service.eviction.')}\n"
+        "assert mods() == {'cache_service.eviction.base'}, mods()\n"
+        "e.make_policy('arc', 4)\n"
+        "assert mods() == {'cache_service.eviction.base', 'cache_service.eviction.arc'}, mods()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_unknown_policy_names_the_key_and_the_choices():
+    # the default key, then the key the config layer passes
+    with pytest.raises(ConfigError, match=r"eviction_policy='mru'.*lru, lfu, s3fifo, arc"):
+        make_policy("mru", 8)
+    with pytest.raises(ConfigError, match=r"tiers\.cpu\.policy='LRU '"):
+        make_policy("LRU ", 8, key="tiers.cpu.policy")
+
+
+@pytest.mark.parametrize("capacity", [0, -3, 2.5, True, "8"])
+def test_capacity_must_be_a_positive_int(capacity):
+    for name in POLICIES:
+        with pytest.raises(ConfigError, match="capacity_blocks"):
+            make_policy(name, capacity)
+
+
+# ------------------------------------------------- behaviour every policy has
+@pytest.mark.parametrize("name", POLICIES)
+def test_pinned_blocks_are_never_victims(name):
+    # ten resident blocks, the even ones pinned
+    p = make_policy(name, 10)
+    for i in range(10):
+        p.insert(H(i))
+    pinned = {H(i) for i in range(0, 10, 2)}
+    # draining returns exactly the odd blocks, then nothing
+    drained = []
+    while (v := p.victim(pinned.__contains__)) is not None:
+        drained.append(v)
+    assert sorted(drained) == [H(i) for i in range(1, 10, 2)]
+    # the pinned ones are all still resident
+    assert len(p) == 5 and all(h in p for h in pinned)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_victim_is_none_when_everything_is_pinned_and_state_is_kept(name):
+    # nothing resident: no victim
+    p = make_policy(name, 6)
+    assert p.victim(no_pins) is None
+    # six blocks, some hit, all pinned: repeated calls give None and lose nothing
+    for i in range(6):
+        p.insert(H(i))
+    p.touch(H(1))
+    p.touch(H(4))
+    for _ in range(3):
+        assert p.victim(lambda h: True) is None
+    assert len(p) == 6 and all(H(i) in p for i in range(6))
+    # unpinning one block makes exactly that block the victim
+    assert p.victim(lambda h: h != H(3)) == H(3)
+    assert H(3) not in p and len(p) == 5
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_remove_and_touch_of_absent_blocks_are_no_ops(name):
+    p = make_policy(name, 4)
+    # on an empty policy
+    p.remove(H(1))
+    p.touch(H(1))
+    assert len(p) == 0 and H(1) not in p
+    # on a populated one; a removed block is never a victim afterwards
+    for i in range(4):
+        p.insert(H(i))
+    p.remove(H(2))
+    p.remove(H(2))
+    p.remove(H(99))
+    p.touch(H(99))
+    assert len(p) == 3 and H(2) not in p and H(99) not in p
+    drained = {p.victim(no_pins) for _ in range(3)}
+    assert drained == {H(0), H(1), H(3)} and p.victim(no_pins) is None
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_inserting_a_resident_block_again_does_not_duplicate_it(name):
+    # the same block inserted twice is one resident block
+    p = make_policy(name, 4)
+    p.insert(H(7))
+    p.insert(H(7))
+    assert len(p) == 1
+    # evicting it once leaves nothing behind
+    assert p.victim(no_pins) == H(7)
+    assert len(p) == 0 and H(7) not in p and p.victim(no_pins) is None
+
+
+# ------------------------------------------------------------------ LRU
+def test_lru_evicts_least_recently_used():
+    # a, b, c arrive in order; a is read again
+    p = LRUPolicy(3)
+    for i in range(3):
+        p.insert(H(i))
+    p.touch(H(0))
+    # victims follow recency: b, c, then a
+    assert [p.victim(no_pins) for _ in range(3)] == [H(1), H(2), H(0)]
+
+
+def test_lru_loses_a_working_set_to_a_scan():
+    # the contrast case for ARC's scan resistance below: same trace, LRU
+    cap, working = 10, [H(i) for i in range(6)]
+    p = LRUPolicy(cap)
+    for _ in range(5):
+        for h in working:
+            access(p, h, cap)
+    for i in range(100, 150):
+        access(p, H(i), cap)
+    assert not any(h in p for h in working)
+
+
+# ------------------------------------------------------------------ LFU
+def test_lfu_keeps_a_hot_block_under_a_scan():
+    # a block read twenty times, then a scan of one-time blocks
+    cap = 8
+    p = LFUPolicy(cap)
+    access(p, H(0), cap)
+    for _ in range(20):
+        access(p, H(0), cap)
+    victims = [access(p, H(i), cap) for i in range(100, 200)]
+    # the scan evicted only its own blocks, oldest first
+    assert H(0) in p
+    assert [v for v in victims if v is not None] == [H(i) for i in range(100, 193)]
+
+
+def test_lfu_ages_out_a_formerly_hot_block():
+    def run(policy: LFUPolicy) -> BlockHash | None:
+        # block 0 is hot for a long time, then never read again
+        policy.insert(H(0))
+        for _ in range(1000):
+            policy.touch(H(0))
+        # blocks 1..3 become the working set for a while
+        for i in (1, 2, 3):
+            policy.insert(H(i))
+        for _ in range(200):
+            for i in (1, 2, 3):
+                policy.touch(H(i))
+        return policy.victim(no_pins)
+
+    # with aging (every 40 accesses) the old hot block is the victim now
+    assert run(LFUPolicy(4)) == H(0)
+    # without aging in reach it would still out-count the working set
+    assert run(LFUPolicy(4, aging_period=10**9)) == H(1)
+
+
+def test_lfu_breaks_ties_by_arrival():
+    # equal counts: the block that reached the count first goes first
+    p = LFUPolicy(4)
+    for i in range(3):
+        p.insert(H(i))
+    p.touch(H(1))
+    p.touch(H(0))
+    assert [p.victim(no_pins) for _ in range(3)] == [H(2), H(1), H(0)]
+
+
+def test_lfu_rejects_a_non_positive_aging_period():
+    with pytest.raises(ConfigError, match="aging_period"):
+        LFUPolicy(4, aging_period=0)
+
+
+# ------------------------------------------------------------------ S3-FIFO
+def _s3fifo_with_hot_set(capacity_hint: int, cap: int = 10) -> S3FIFOPolicy:
+    p = S3FIFOPolicy(capacity_hint)
+    # five blocks read three times each while they are new
+    for i in range(5):
+        for _ in range(3):
+            access(p, H(i), cap)
+    return p
+
+
+@pytest.mark.parametrize("capacity_hint", [10, 10_000])
+def test_s3fifo_one_hit_wonders_leave_through_the_small_queue(capacity_hint):
+    # a tier of 10 blocks (the hint may over-estimate it) with a hot set
+    cap = 10
+    p = _s3fifo_with_hot_set(capacity_hint, cap)
+    # a long scan of blocks read once each
+    for i in range(100, 300):
+        v = access(p, H(i), cap)
+        # each victim is a scan block, evicted from S into the ghost queue
+        assert v is None or (v >= H(100) and p.queue_of(v) == "ghost")
+    # the hot set was promoted to M and survived
+    assert all(p.queue_of(H(i)) == "main" for i in range(5))
+    # the ghost queue stays within M's share of the real tier size
+    assert p.ghost_count() == p.ghost_capacity == cap - 1
+
+
+def test_s3fifo_reinserted_ghost_goes_to_main_and_stays():
+    cap = 10
+    p = _s3fifo_with_hot_set(cap, cap)
+    # fill up with scan blocks; block 100 is evicted and remembered
+    victims = [access(p, H(i), cap) for i in range(100, 110)]
+    assert H(100) in victims and p.queue_of(H(100)) == "ghost"
+    # it comes back: straight into M, while a first-timer lands in S
+    access(p, H(100), cap)
+    access(p, H(500), cap)
+    assert p.queue_of(H(100)) == "main" and p.queue_of(H(500)) == "small"
+    # another scan evicts the first-timer but not the returned block
+    for i in range(600, 650):
+        access(p, H(i), cap)
+    assert p.queue_of(H(100)) == "main" and H(500) not in p
+
+
+def test_s3fifo_main_queue_gives_read_blocks_another_round():
+    # x, y, z each read once in S: the next eviction promotes all three to M
+    p = S3FIFOPolicy(10)
+    for i in range(3):
+        p.insert(H(i))
+        p.touch(H(i))
+    assert p.victim(no_pins) == H(0)
+    assert p.queue_of(H(1)) == p.queue_of(H(2)) == "main"
+    # y is read again in M: z goes before it despite arriving later
+    p.touch(H(1))
+    assert p.victim(no_pins) == H(2)
+    assert p.victim(no_pins) == H(1)
+
+
+# ------------------------------------------------------------------ ARC
+@pytest.mark.parametrize("capacity_hint", [10, 10_000])
+def test_arc_keeps_the_frequent_set_through_a_one_time_scan(capacity_hint):
+    # a tier of 10 blocks; six blocks looped over become frequent (T2)
+    cap, working = 10, [H(i) for i in range(6)]
+    p = ARCPolicy(capacity_hint)
+    for _ in range(5):
+        for h in working:
+            access(p, h, cap)
+    assert all(p.list_of(h) == "t2" for h in working)
+    # a one-time scan of 50 blocks passes through T1 only
+    for i in range(100, 150):
+        assert access(p, H(i), cap) not in working
+    # the loop resumes and hits every block (LRU lost them all, see above)
+    assert all(h in p for h in working)
+    # history stays bounded by the real tier size
+    assert p.ghost_count() <= cap
+
+
+def test_arc_adapts_p_to_ghost_hits():
+    cap = 4
+    p = ARCPolicy(cap)
+    # a, b read twice (T2); c, d read once (T1); p starts at 0
+    for i in (0, 1, 0, 1, 2, 3):
+        access(p, H(i), cap)
+    assert p.target_t1 == 0
+    # e arrives: T1 is over target, so c is evicted and remembered in B1
+    assert access(p, H(4), cap) == H(2) and p.list_of(H(2)) == "b1"
+    # c returns: a B1 hit means T1 was too small -> p grows; c joins T2
+    assert access(p, H(2), cap) == H(3)
+    assert p.target_t1 == 1 and p.list_of(H(2)) == "t2"
+    # f arrives with |T1| == p: T2's least recent (a) is evicted into B2
+    assert access(p, H(5), cap) == H(0) and p.list_of(H(0)) == "b2"
+    # a returns: a B2 hit means T2 was too small -> p shrinks back to 0
+    access(p, H(0), cap)
+    assert p.target_t1 == 0 and p.list_of(H(0)) == "t2"
+
+
+# ------------------------------------------------ property test vs a model
+KEYS = 12
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.sampled_from(["insert", "access", "touch", "remove", "pin", "unpin"]), st.integers(0, KEYS - 1)),
+        st.tuples(st.just("victim"), st.just(0)),
+    ),
+    max_size=150,
+)
+# how often one victim() call may ask pinned() per resident block
+ASKS_PER_BLOCK = {"lru": 1, "lfu": 1, "arc": 1, "s3fifo": 5}
+
+
+class Model:
+    """Reference: the resident set, kept in LRU order with the same rotation
+    rule for pinned blocks that are passed over."""
+
+    def __init__(self) -> None:
+        self.resident: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def insert(self, h: BlockHash) -> None:
+        self.resident[h] = None
+        self.resident.move_to_end(h)
+
+    def touch(self, h: BlockHash) -> None:
+        if h in self.resident:
+            self.resident.move_to_end(h)
+
+    def lru_victim(self, pinned) -> BlockHash | None:
+        v = next((h for h in self.resident if not pinned(h)), None)
+        # pinned blocks ahead of the victim rotate to the recent end, in order
+        for h in list(takewhile(lambda h: h != v, self.resident)) if v is not None else []:
+            self.resident.move_to_end(h)
+        return v
+
+
+def check_against_model(name: str, capacity: int, steps) -> None:
+    p, model, pins = make_policy(name, capacity), Model(), set()
+    asks = 0
+
+    def pinned(h: BlockHash) -> bool:
+        nonlocal asks
+        asks += 1
+        return h in pins
+
+    def evict() -> None:
+        nonlocal asks
+        asks, before = 0, len(model.resident)
+        v = p.victim(pinned)
+        assert asks <= ASKS_PER_BLOCK[name] * before
+        if all(h in pins for h in model.resident):
+            assert v is None
+            return
+        # a victim is always resident and unpinned
+        assert v in model.resident and v not in pins
+        if name == "lru":
+            assert v == model.lru_victim(lambda h: h in pins)
+        del model.resident[v]
+
+    for op, k in steps:
+        h = H(k)
+        if op == "insert":
+            p.insert(h)
+            model.insert(h)
+        elif op == "access":
+            if h in model.resident:
+                p.touch(h)
+                model.touch(h)
+            else:
+                if len(model.resident) >= capacity:
+                    evict()
+                p.insert(h)
+                model.insert(h)
+        elif op == "touch":
+            p.touch(h)
+            model.touch(h)
+        elif op == "remove":
+            p.remove(h)
+            model.resident.pop(h, None)
+        elif op == "victim":
+            evict()
+        elif op == "pin":
+            pins.add(h)
+        else:
+            pins.discard(h)
+        # after every step: same resident set, same size, bounded history
+        assert len(p) == len(model.resident)
+        assert all((H(i) in p) == (H(i) in model.resident) for i in range(KEYS))
+        assert p.ghost_count() <= capacity
+        p._check()
+    # with every pin dropped, the policy drains exactly the model's blocks
+    pins.clear()
+    drained = [p.victim(no_pins) for _ in range(len(model.resident))]
+    assert set(drained) == set(model.resident) and p.victim(no_pins) is None
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.integers(1, 8), steps=ops)
+def test_policy_matches_reference_model(name, capacity, steps):
+    check_against_model(name, capacity, steps)
+
+
+# ------------------------------------------------------ O(1) by counting work
+def _zipf_trace(n_ops: int, n_keys: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    weights = [1.0 / (r + 1) for r in range(n_keys)]
+    return rng.choices(range(n_keys), weights=weights, k=n_ops)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", POLICIES)
+def test_200k_operations_cost_o1_pinned_checks_per_eviction(name):
+    # a skewed trace over 5000 blocks into a 1000-block tier; 50 popular blocks pinned
+    cap = 1000
+    p = make_policy(name, cap)
+    pins = {H(k) for k in range(0, 100, 2)}
+    asks = 0
+
+    def pinned(h: BlockHash) -> bool:
+        nonlocal asks
+        asks += 1
+        return h in pins
+
+    evictions = hits = 0
+    for i, k in enumerate(_zipf_trace(200_000, 5_000, seed=1)):
+        h = H(k)
+        hits += h in p
+        evictions += access(p, h, cap, pinned) is not None
+        # now and then the store deletes a block (e.g. found corrupt)
+        if i % 997 == 0:
+            p.remove(H(k + 1))
+    # the tier stayed at its size, and the skewed trace mostly hit
+    assert len(p) <= cap and hits > 0.5 * 200_000
+    # per eviction, pinned() was asked a small constant number of times --
+    # a policy that rescans from the start would ask ~50+ times
+    assert asks / evictions < 6
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_many_pinned_blocks_do_not_make_every_eviction_rescan_them(name):
+    # a full 1000-block tier where 9 in 10 blocks are pinned (a big session)
+    cap = 1000
+    p = make_policy(name, cap)
+    for k in range(cap):
+        p.insert(H(k))
+    pins = {H(k) for k in range(cap) if k % 10}
+    asks = 0
+
+    def pinned(h: BlockHash) -> bool:
+        nonlocal asks
+        asks += 1
+        return h in pins
+
+    # 5000 new blocks stream through the 100 unpinned slots
+    for k in range(cap, cap + 5000):
+        assert access(p, H(k), cap, pinned) not in pins
+    assert all(h in p for h in pins)
+    # cost per eviction is about pinned/unpinned (9), not the 900 pinned blocks
+    assert asks / 5000 < 25

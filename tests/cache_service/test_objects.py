@@ -1,0 +1,66 @@
+"""Block objects: round trip, and every kind of damage is a CorruptBlockError."""
+import pytest
+import torch
+
+from cache_service.keys import Namespace, prefix_hashes
+from cache_service.objects import HEADER_SIZE, decode, encode, object_size
+from tiers.types import CorruptBlockError
+
+NS = Namespace("tiny", "bfloat16", num_layers=2, kv_heads=2, head_dim=8, block_tokens=4)
+H = prefix_hashes(NS, range(12))
+
+
+def _payload(seed: int) -> torch.Tensor:
+    return torch.randn(NS.block_shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def test_round_trip_is_bit_exact_and_zero_copy():
+    # encode then decode gives the same bits, as a view into the object
+    p = _payload(0)
+    obj = encode(NS, H[0], p)
+    assert obj.numel() == object_size(NS) == HEADER_SIZE + NS.payload_bytes
+    out = decode(obj, NS, H[0])
+    assert torch.equal(out.view(torch.int16), p.view(torch.int16))
+    assert out.data_ptr() == obj.data_ptr() + HEADER_SIZE
+
+
+@pytest.mark.parametrize("offset", [0, 5, 30, 60, 81, HEADER_SIZE, HEADER_SIZE + 100, -1])
+def test_any_flipped_bit_is_detected(offset):
+    # a single flipped bit anywhere in header or payload fails decoding
+    obj = encode(NS, H[0], _payload(1))
+    obj[offset] ^= 0x10
+    with pytest.raises(CorruptBlockError):
+        decode(obj, NS, H[0])
+
+
+def test_truncated_swapped_and_foreign_objects_are_detected():
+    # truncation
+    obj = encode(NS, H[0], _payload(2))
+    with pytest.raises(CorruptBlockError, match="bytes"):
+        decode(obj[:-1].clone(), NS, H[0])
+    with pytest.raises(CorruptBlockError, match="short"):
+        decode(obj[:10].clone(), NS, H[0])
+    # an object stored under the wrong key (swapped files)
+    with pytest.raises(CorruptBlockError, match="holds block"):
+        decode(obj, NS, H[1])
+    # same hash but another namespace (other tenant) or another layout
+    with pytest.raises(CorruptBlockError, match="namespace"):
+        decode(obj, NS.with_tenant("other"), H[0])
+    wide = Namespace("tiny", "bfloat16", num_layers=2, kv_heads=2, head_dim=8, block_tokens=8)
+    with pytest.raises(CorruptBlockError):
+        decode(obj, wide, H[0])
+
+
+def test_payload_checksum_can_be_skipped_for_trusted_memory():
+    # memory tiers skip the payload hash, but the header is still checked
+    obj = encode(NS, H[0], _payload(3))
+    obj[-1] ^= 1
+    decode(obj, NS, H[0], verify_payload=False)
+    with pytest.raises(CorruptBlockError):
+        decode(obj, NS, H[1], verify_payload=False)
+
+
+def test_wrong_payload_size_is_a_clear_error():
+    # a payload of the wrong shape is refused at encode time
+    with pytest.raises(ValueError, match="bytes"):
+        encode(NS, H[0], torch.zeros(3, dtype=torch.bfloat16))
