@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 import torch
 
 from tiers.base import Tier
-from tiers.types import BlockHash, CapacityError, TierKVError
+from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError
 
 
 class SlotPool(Tier):
@@ -93,25 +93,27 @@ class SlotPool(Tier):
                 self._allocate(objs[0].numel())
             for obj in objs:  # all or nothing: refuse the batch before storing any of it
                 self.footprint(obj.numel())
-            ok, todo = self._reserve(hashes)
+            todo = self._reserve(hashes)
             copies = [(self._slot(slot, objs[i].numel()), objs[i]) for i, slot in todo]
-        _copy_all(copies)
+        try:
+            _copy_all(copies)
+        except BaseException:
+            with self._lock:
+                self._free.extend(slot for _, slot in todo)
+            raise
         self._publish(hashes, objs, todo)
-        return ok
+        return self.contains_many(hashes)
 
-    def _reserve(self, hashes: Sequence[BlockHash]) -> tuple[list[bool], list[tuple[int, int]]]:
-        """Pick a free slot for each new hash (caller holds the lock)."""
-        ok = [False] * len(hashes)
-        todo: list[tuple[int, int]] = []  # (position in batch, reserved slot)
+    def _reserve(self, hashes: Sequence[BlockHash]) -> list[tuple[int, int]]:
+        """(position in batch, slot) for each new hash that gets a free slot
+        (caller holds the lock)."""
+        todo: list[tuple[int, int]] = []
         seen: set[BlockHash] = set()
         for i, h in enumerate(hashes):
-            if h in self._index:
-                ok[i] = True
-            elif h not in seen and self._free:
+            if h not in self._index and h not in seen and self._free:
                 seen.add(h)
                 todo.append((i, self._free.pop()))
-                ok[i] = True
-        return ok, todo
+        return todo
 
     def _publish(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],
                  todo: list[tuple[int, int]]) -> None:
@@ -253,6 +255,8 @@ class CpuTier(SlotPool):
     def __init__(self, capacity_bytes: int, slot_bytes: int | None = None, pin: bool | None = None) -> None:
         if pin is None:
             pin = torch.cuda.is_available()
+        elif pin and not torch.cuda.is_available():
+            raise ConfigError("cpu tier: pin=True needs a CUDA device (use auto)")
         super().__init__(capacity_bytes, slot_bytes, device="cpu", pin=pin)
 
 

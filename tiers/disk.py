@@ -16,7 +16,7 @@ writers): a mismatch is a miss and the file is quarantined.
 
 An in-memory mirror of the index answers lookups; last-access times are
 updated there and reach lmdb with the next write transaction (put, delete,
-`flush`, `close`), so a read never waits for a commit.
+quarantine, close), so a read never waits for a commit.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import os
 import struct
 import threading
 import time
+from contextlib import suppress
 from itertools import count
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _ENTRY = struct.Struct("<QQQ")  # file size, xxh3_64 of the file bytes, last access (ns since epoch)
 _TMP_PREFIX = ".tmp-"
+_HEX_DIGITS = "0123456789abcdef"
 
 
 class _Entry:
@@ -94,13 +96,10 @@ class DiskTier(Tier):
         self._closed = False
         self._recover()
 
-    # -- open -------------------------------------------------------------------
-
     def _make_dirs(self) -> None:
-        for d in (self.root, self._data, self._quarantine_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        self._quarantine_dir.mkdir(parents=True, exist_ok=True)
         for b in range(256):  # all fan-out dirs exist up front: a put never creates one
-            (self._data / f"{b:02x}").mkdir(exist_ok=True)
+            (self._data / f"{b:02x}").mkdir(parents=True, exist_ok=True)
         if self.fsync:
             _fsync_dir(self._data)
             _fsync_dir(self.root)
@@ -115,9 +114,11 @@ class DiskTier(Tier):
             if not hh.is_dir(follow_symlinks=False):
                 continue
             for f in os.scandir(hh.path):
+                if not f.is_file(follow_symlinks=False):
+                    continue  # not ours to judge: nothing here ever makes a directory
                 h = _parse_name(f.name, hh.name)
                 e = entries.get(h) if h is not None else None
-                if e is not None and f.is_file(follow_symlinks=False) and f.stat().st_size == e.size:
+                if e is not None and f.stat().st_size == e.size:
                     kept[h] = e
                 else:
                     _unlink_quiet(f.path)
@@ -129,8 +130,6 @@ class DiskTier(Tier):
         self._used = sum(e.size for e in kept.values())
         self._clock = max((e.atime for e in kept.values()), default=0)
         self.stats.add(blocks=len(kept), used_bytes=self._used)
-
-    # -- sizing -----------------------------------------------------------------
 
     def path_of(self, h: BlockHash) -> Path:
         """Where the data file of `h` lives (whether or not it exists)."""
@@ -144,8 +143,6 @@ class DiskTier(Tier):
     def free_bytes(self) -> int:
         with self._lock:
             return max(0, self.capacity_bytes - self._used - self._reserved)
-
-    # -- writes -----------------------------------------------------------------
 
     def put_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[bool]:
         assert len(hashes) == len(objs), "one object per hash"
@@ -173,11 +170,8 @@ class DiskTier(Tier):
         return self.contains_many(hashes)
 
     def _write_temp(self, h: BlockHash, obj: torch.Tensor) -> tuple[BlockHash, Path, _Entry] | None:
-        """Write `obj` durably under a temp name next to its final path.
-
-        Returns None (temp file removed) when the write fails: ENOSPC is a
-        full disk, anything else is counted as an error.
-        """
+        """Write `obj` durably under a temp name next to its final path; None
+        if that fails (ENOSPC is a full disk, anything else is also an error)."""
         data = memoryview(obj.cpu().numpy())
         tmp = self.path_of(h).with_name(f"{_TMP_PREFIX}{h.hex()}-{os.getpid()}-{next(self._seq)}")
         try:
@@ -206,9 +200,6 @@ class DiskTier(Tier):
         with self._commit_lock:
             with self._lock:  # a racing put of the same hash may have won already
                 fresh = [w for w in written if w[0] not in self._index]
-            for h, tmp, _ in written:
-                if h in self._index:
-                    _unlink_quiet(tmp)
             try:
                 for h, tmp, _ in fresh:
                     os.rename(tmp, self.path_of(h))
@@ -222,35 +213,42 @@ class DiskTier(Tier):
             except OSError as e:
                 log.warning("disk tier %s: publishing %d files failed: %s", self.root, len(fresh), e)
                 ok = False
+            finally:
+                for _, tmp, _ in written:  # beaten by a racing put, or never renamed
+                    _unlink_quiet(tmp)
             if not ok:
                 self.stats.add(errors=1)
-                for h, tmp, _ in fresh:
-                    _unlink_quiet(tmp)
+                for h, _, _ in fresh:
                     _unlink_quiet(self.path_of(h))
                 return
-            with self._lock:
-                for h, _, e in fresh:
-                    self._index[h] = e
-                self._used += sum(e.size for _, _, e in fresh)
             nbytes = sum(e.size for _, _, e in fresh)
+            with self._lock:
+                self._index.update((h, e) for h, _, e in fresh)
+                self._used += nbytes
             self.stats.add(blocks=len(fresh), used_bytes=nbytes, bytes_in=nbytes)
 
     def delete_many(self, hashes: Iterable[BlockHash]) -> int:
         with self._commit_lock:
             with self._lock:
                 self._check_open()
-                gone = {h: self._index.pop(h) for h in set(hashes) if h in self._index}
-                self._dirty.difference_update(gone)
-                self._used -= sum(e.size for e in gone.values())
+                gone = self._unindex({h for h in hashes if h in self._index})
             if not gone:
                 return 0
             # Index first: a crash before the unlinks leaves orphans, which open removes.
-            if not self._write_index({}, list(gone)):
+            if not self._write_index({}, gone):
                 self.stats.add(errors=1)
             for h in gone:
                 _unlink_quiet(self.path_of(h))
-        self.stats.add(blocks=-len(gone), used_bytes=-sum(e.size for e in gone.values()))
         return len(gone)
+
+    def _unindex(self, hashes: Iterable[BlockHash]) -> list[BlockHash]:
+        """Forget held blocks in memory (caller holds the lock); returns them."""
+        gone = [(h, self._index.pop(h)) for h in hashes]
+        self._dirty.difference_update(h for h, _ in gone)
+        nbytes = sum(e.size for _, e in gone)
+        self._used -= nbytes
+        self.stats.add(blocks=-len(gone), used_bytes=-nbytes)
+        return [h for h, _ in gone]
 
     def _write_index(self, puts: dict[BlockHash, _Entry], dels: list[BlockHash]) -> bool:
         """One lmdb write transaction: `puts`, `dels`, and every pending
@@ -273,8 +271,6 @@ class DiskTier(Tier):
                 h for h, packed in touched.items() if h in self._index and self._index[h].pack() == packed)
         return True
 
-    # -- reads ------------------------------------------------------------------
-
     def get_many(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Verified copies of the files; a damaged or missing file is a miss
         and is quarantined."""
@@ -286,13 +282,14 @@ class DiskTier(Tier):
                     e.atime = self._tick()
                     self._dirty.add(h)
         out: list[torch.Tensor | None] = []
+        corrupt = 0
         for h, e in zip(hashes, entries):
             obj = self._read(h, e) if e is not None else None
             if obj is None and e is not None:
-                self._quarantine(h, e)
+                corrupt += self._set_aside(h, e)
             out.append(obj)
         hits = [o.numel() for o in out if o is not None]
-        self.stats.add(hits=len(hits), misses=len(out) - len(hits), bytes_out=sum(hits))
+        self.stats.add(hits=len(hits), misses=len(out) - len(hits), bytes_out=sum(hits), corrupt=corrupt)
         return out
 
     def _read(self, h: BlockHash, e: _Entry) -> torch.Tensor | None:
@@ -317,26 +314,28 @@ class DiskTier(Tier):
             return None
         return buf if xxhash.xxh3_64_intdigest(view) == e.csum else None
 
-    def _quarantine(self, h: BlockHash, e: _Entry) -> None:
-        """Unindex `h` and move its file aside, unless a delete or a re-put
-        replaced entry `e` while it was being read (then it is a plain miss)."""
+    def quarantine(self, hashes: Iterable[BlockHash]) -> None:
+        """Move blocks that failed the store's checks into quarantine/. The
+        store counts those; `stats.corrupt` counts this tier's own failures."""
+        with self._lock:
+            found = [(h, self._index[h]) for h in hashes if h in self._index]
+        for h, e in found:
+            self._set_aside(h, e)
+
+    def _set_aside(self, h: BlockHash, e: _Entry) -> bool:
+        """Unindex `h` and move its file to quarantine/, unless a delete or a
+        re-put replaced entry `e` meanwhile (then it was a plain miss)."""
         with self._commit_lock:
             with self._lock:
                 if self._closed or self._index.get(h) is not e:
-                    return
-                del self._index[h]
-                self._dirty.discard(h)
-                self._used -= e.size
+                    return False
+                self._unindex([h])
             log.warning("disk tier %s: block %s failed verification, quarantined", self.root, h.hex())
             if not self._write_index({}, [h]):
                 self.stats.add(errors=1)
-            try:
+            with suppress(FileNotFoundError):
                 os.rename(self.path_of(h), self._quarantine_dir / f"{h.hex()}-{os.getpid()}-{next(self._seq)}")
-            except FileNotFoundError:
-                pass
-        self.stats.add(corrupt=1, blocks=-1, used_bytes=-e.size)
-
-    # -- queries ----------------------------------------------------------------
+        return True
 
     def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
         with self._lock:
@@ -346,13 +345,6 @@ class DiskTier(Tier):
         """Held hashes, least recently used (read or written) first."""
         with self._lock:
             return sorted(self._index, key=lambda h: self._index[h].atime)
-
-    def flush(self) -> None:
-        """Write pending last-access times to the index."""
-        with self._commit_lock:
-            self._check_open()
-            if self._dirty and not self._write_index({}, []):
-                self.stats.add(errors=1)
 
     def close(self) -> None:
         """Flush last-access times, close the index and release the root."""
@@ -390,13 +382,9 @@ def _lock_root(root: Path) -> int:
 
 def _parse_name(name: str, fanout: str) -> BlockHash | None:
     """The hash a data file is named after, or None for anything else."""
-    if len(name) != 2 * HASH_BYTES or name[:2] != fanout:
+    if len(name) != 2 * HASH_BYTES or name[:2] != fanout or name.strip(_HEX_DIGITS):
         return None
-    try:
-        h = bytes.fromhex(name)
-    except ValueError:
-        return None
-    return BlockHash(h) if h.hex() == name else None
+    return BlockHash(bytes.fromhex(name))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -408,7 +396,5 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _unlink_quiet(path: str | os.PathLike) -> None:
-    try:
+    with suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

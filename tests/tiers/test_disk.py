@@ -1,0 +1,351 @@
+"""DiskTier on real files and a real lmdb index: round trips, reopening in
+another process, damaged files, recovery on open, crashes mid-write, and a
+filesystem that runs out of space."""
+from __future__ import annotations
+
+import errno
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.tiers.disk_writer_child import block_for, key_for
+from tiers.disk import DiskTier
+from tiers.types import CapacityError, TierKVError, TierUnavailableError
+
+REPO = Path(__file__).resolve().parents[2]
+CHILD = Path(__file__).with_name("disk_writer_child.py")
+MB = 1 << 20
+
+
+def keys(n: int, seed: int = 0):
+    return [key_for(seed, i) for i in range(n)]
+
+
+def child(*args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, str(CHILD), *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def temp_files(root: Path) -> list[Path]:
+    return list((root / "data").glob("*/.tmp-*"))
+
+
+def test_round_trip_on_disk_layout(tmp_path):
+    tier = DiskTier(tmp_path, 8 * MB)
+    hs = keys(5)
+    assert tier.put_many(hs, [block_for(h) for h in hs]) == [True] * 5
+    # Files sit under data/<first byte hex>/<hash hex>; no temp file is left behind.
+    for h in hs:
+        assert tier.path_of(h) == tmp_path / "data" / h.hex()[:2] / h.hex()
+        assert tier.path_of(h).stat().st_size == block_for(h).numel()
+    assert temp_files(tmp_path) == []
+    # Reads are byte-exact; an unknown hash is a miss.
+    got = tier.get_many(hs + keys(1, seed=1))
+    assert all(torch.equal(g, block_for(h)) for g, h in zip(got, hs)) and got[-1] is None
+    # Putting held blocks again (even twice in one batch) writes nothing.
+    assert tier.put_many([hs[0], hs[0]], [block_for(hs[0])] * 2) == [True, True]
+    total = sum(block_for(h).numel() for h in hs)
+    s = tier.stats
+    assert (s.hits, s.misses, s.bytes_in, s.bytes_out, s.blocks, s.used_bytes) == (5, 1, total, total, 5, total)
+    assert tier.free_bytes() == 8 * MB - total
+    tier.close()
+
+
+def test_reopen_in_a_new_process_finds_every_block(tmp_path):
+    tier = DiskTier(tmp_path, 8 * MB)
+    hs = keys(20)
+    tier.put_many(hs, [block_for(h) for h in hs])
+    tier.delete_many(hs[:3])
+    tier.close()
+    # Another interpreter opens the same directory and checks every block byte by byte.
+    proc = child("check", str(tmp_path), str(8 * MB))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.split() == ["17", "ok"]
+
+
+def test_last_access_order_survives_reopen(tmp_path):
+    tier = DiskTier(tmp_path, 8 * MB)
+    a, b, c = keys(3)
+    tier.put_many([a, b, c], [block_for(h) for h in (a, b, c)])
+    # Reading a makes it the most recently used; the order is flushed on close.
+    tier.get_many([a])
+    assert tier.keys() == [b, c, a]
+    tier.close()
+    reopened = DiskTier(tmp_path, 8 * MB)
+    assert reopened.keys() == [b, c, a]
+    reopened.close()
+
+
+def _truncate(tier, a, b):
+    os.truncate(tier.path_of(a), 100)
+
+
+def _flip_bit(tier, a, b):
+    with open(tier.path_of(a), "r+b") as f:
+        f.seek(777)
+        byte = f.read(1)[0]
+        f.seek(777)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def _swap(tier, a, b):
+    os.rename(tier.path_of(b), tier.path_of(a))  # b's file now sits at a's name; b has none
+
+
+def _delete(tier, a, b):
+    os.unlink(tier.path_of(a))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_bit, _swap, _delete])
+def test_damaged_file_is_a_counted_quarantined_miss(tmp_path, damage):
+    tier = DiskTier(tmp_path, 8 * MB)
+    a, b, c = [k for k in keys(64) if block_for(k).numel() == block_for(keys(1)[0]).numel()][:3]
+    tier.put_many([a, b, c], [block_for(h) for h in (a, b, c)])
+    damage(tier, a, b)
+    on_disk = tier.path_of(a).read_bytes() if tier.path_of(a).exists() else None
+    # The damaged block is never returned; intact neighbours are.
+    got = dict(zip((a, b, c), tier.get_many([a, b, c])))
+    assert got[a] is None and torch.equal(got[c], block_for(c))
+    lost = [a] if damage is not _swap else [a, b]
+    assert (got[b] is None) == (damage is _swap)
+    # Counted as corrupt misses and dropped from the index (also across a reopen).
+    assert tier.stats.corrupt == len(lost) and tier.stats.misses == len(lost)
+    assert tier.contains_many(lost) == [False] * len(lost)
+    assert tier.stats.used_bytes == sum(block_for(h).numel() for h in (a, b, c) if h not in lost)
+    # What was at a's path is kept aside in quarantine, byte for byte.
+    quarantined = [p.read_bytes() for p in (tmp_path / "quarantine").iterdir()]
+    assert quarantined == ([on_disk] if on_disk is not None else [])
+    tier.close()
+    reopened = DiskTier(tmp_path, 8 * MB)
+    assert sorted(reopened.keys()) == sorted(h for h in (a, b, c) if h not in lost)
+    reopened.close()
+
+
+def test_quarantine_on_the_stores_request(tmp_path):
+    tier = DiskTier(tmp_path, 8 * MB)
+    a, b = keys(2)
+    tier.put_many([a, b], [block_for(a), block_for(b)])
+    # The store found a's object unusable (say, a header for another layout).
+    tier.quarantine([a, keys(1, seed=3)[0]])
+    assert tier.contains_many([a, b]) == [False, True] and not tier.path_of(a).exists()
+    assert [p.read_bytes() for p in (tmp_path / "quarantine").iterdir()] == [block_for(a).numpy().tobytes()]
+    # The store counts that one; the tier's own counter is for its own checksum failures.
+    assert tier.stats.corrupt == 0 and tier.stats.blocks == 1
+    tier.close()
+    reopened = DiskTier(tmp_path, 8 * MB)
+    assert reopened.keys() == [b]
+    reopened.close()
+
+
+def test_open_removes_orphans_and_temp_files(tmp_path):
+    tier = DiskTier(tmp_path, 8 * MB)
+    held, orphan = keys(2)
+    tier.put_many([held], [block_for(held)])
+    tier.close()
+    # A complete file the index never heard of, and a temp file of an interrupted put.
+    orphan_path = tmp_path / "data" / orphan.hex()[:2] / orphan.hex()
+    orphan_path.write_bytes(block_for(orphan).numpy().tobytes())
+    stray_tmp = orphan_path.with_name(f".tmp-{orphan.hex()}-999-0")
+    stray_tmp.write_bytes(b"half a block")
+    reopened = DiskTier(tmp_path, 8 * MB)
+    assert not orphan_path.exists() and not stray_tmp.exists()
+    assert reopened.keys() == [held] and reopened.get_many([orphan]) == [None]
+    assert torch.equal(reopened.get_many([held])[0], block_for(held))
+    reopened.close()
+
+
+def test_open_drops_entries_whose_file_is_missing_or_the_wrong_size(tmp_path):
+    tier = DiskTier(tmp_path, 8 * MB)
+    gone, short, fine = keys(3)
+    tier.put_many([gone, short, fine], [block_for(h) for h in (gone, short, fine)])
+    tier.close()
+    os.unlink(tier.path_of(gone))
+    os.truncate(tier.path_of(short), 10)
+    # The index is fixed on open, before any read: only the intact block remains.
+    reopened = DiskTier(tmp_path, 8 * MB)
+    assert reopened.keys() == [fine]
+    assert not reopened.path_of(short).exists()
+    assert reopened.stats.used_bytes == block_for(fine).numel() == 8 * MB - reopened.free_bytes()
+    reopened.close()
+
+
+def test_capacity_is_respected(tmp_path):
+    hs = keys(5)
+    objs = [block_for(h)[:4096] for h in hs]
+    tier = DiskTier(tmp_path, 3 * 4096 + 100)
+    # Three fit; the rest are refused (not raised) until something is deleted.
+    assert tier.put_many(hs, objs) == [True] * 3 + [False] * 2
+    assert tier.free_bytes() == 100 and tier.stats.used_bytes == 3 * 4096
+    assert tier.delete_many(hs[:1]) == 1
+    assert tier.put_many(hs[3:], objs[3:]) == [True, False]
+    # An object larger than the whole tier can never fit.
+    with pytest.raises(CapacityError):
+        tier.put_many(keys(1, seed=9), [torch.zeros(3 * 4096 + 101, dtype=torch.uint8)])
+    assert sorted(tier.keys()) == sorted(hs[1:4])
+    tier.close()
+
+
+def test_one_process_owns_a_directory(tmp_path):
+    tier = DiskTier(tmp_path, MB)
+    with pytest.raises(TierUnavailableError):
+        DiskTier(tmp_path, MB)
+    tier.close()
+    with pytest.raises(TierKVError):
+        tier.get_many(keys(1))
+    DiskTier(tmp_path, MB).close()  # released by close
+
+
+def test_reads_racing_deletes_and_rewrites_are_exact_and_not_corrupt(tmp_path):
+    tier = DiskTier(tmp_path, 8 * MB, fsync=False)
+    hs = keys(6)
+    stop = threading.Event()
+    wrong: list[str] = []
+
+    def churn() -> None:
+        rng = random.Random(1)
+        while not stop.is_set():
+            h = rng.choice(hs)
+            tier.put_many([h], [block_for(h)])
+            tier.delete_many([rng.choice(hs)])
+
+    writer = threading.Thread(target=churn)
+    writer.start()
+    try:
+        for _ in range(300):
+            for h, obj in zip(hs, tier.get_many(hs)):
+                if obj is not None and not torch.equal(obj, block_for(h)):
+                    wrong.append(h.hex())
+    finally:
+        stop.set()
+        writer.join(timeout=60)
+    # A file deleted under a reader is a plain miss, never a corrupt block.
+    assert wrong == [] and tier.stats.corrupt == 0
+    assert list((tmp_path / "quarantine").iterdir()) == []
+    tier.close()
+
+
+def test_block_rewritten_during_a_read_is_a_plain_miss(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 8 * MB)
+    h = keys(1)[0]
+    tier.put_many([h], [block_for(h)])
+    real_read = tier._read
+    rewritten = torch.zeros(1000, dtype=torch.uint8)
+
+    def read_after_race(h_, e):
+        # Another thread deletes the block and stores different bytes under it first.
+        tier.delete_many([h_])
+        tier.put_many([h_], [rewritten])
+        return real_read(h_, e)
+
+    monkeypatch.setattr(tier, "_read", read_after_race)
+    # The read sees a file that no longer matches what it looked up: a miss, not corruption.
+    assert tier.get_many([h]) == [None]
+    assert tier.stats.corrupt == 0 and list((tmp_path / "quarantine").iterdir()) == []
+    # The new block is untouched.
+    monkeypatch.undo()
+    assert torch.equal(tier.get_many([h])[0], rewritten)
+    tier.close()
+
+
+def _wait_ready(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready and proc.stdout.readline().strip() == "ready", proc.stderr.read() if not ready else ""
+
+
+@pytest.mark.slow
+def test_sigkill_mid_write_never_leaves_a_torn_block(tmp_path):
+    rng = random.Random(1234)
+    capacity = 3 * MB  # small enough that writers also evict and delete
+    deadline = time.monotonic() + 20
+    rounds = seen = 0
+    while rounds < 10 and (rounds < 4 or time.monotonic() < deadline):
+        # A writer puts, evicts and deletes blocks until killed at a random moment.
+        proc = child("write", str(tmp_path), str(capacity), str(rounds))
+        _wait_ready(proc)
+        time.sleep(rng.uniform(0.0, 0.4))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert proc.returncode == -signal.SIGKILL, "writer ended before it was killed"
+        # Reopening cleans up; every indexed block reads back byte-exact and none is corrupt.
+        tier = DiskTier(tmp_path, capacity)
+        assert temp_files(tmp_path) == []
+        held = tier.keys()
+        got = tier.get_many(held)
+        assert all(g is not None and torch.equal(g, block_for(h)) for g, h in zip(got, held))
+        assert tier.stats.corrupt == 0 and tier.stats.used_bytes <= capacity
+        on_disk = {p.name for p in (tmp_path / "data").glob("*/*")}
+        assert on_disk == {h.hex() for h in held}
+        tier.close()
+        rounds += 1
+        seen += len(held)
+    assert rounds >= 4 and seen > 0, "no writer got any block in before its kill"
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    if os.geteuid() != 0:
+        return False
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+def _fill_until_refused(tier: DiskTier, seed: int) -> tuple[list, list]:
+    """Put 64 KiB blocks until the filesystem refuses one; (stored, refused)."""
+    stored, refused = [], []
+    for i in range(64):
+        h = key_for(seed, i)
+        obj = torch.from_numpy(np.resize(block_for(h).numpy(), 64 * 1024))
+        (stored if tier.put_many([h], [obj]) == [True] else refused).append((h, obj))
+        if refused:
+            break
+    return stored, refused
+
+
+def test_full_filesystem_refuses_puts_without_damage(tmp_path, monkeypatch):
+    root = tmp_path / "small"
+    mounted = _mount_tmpfs(root, "1m")
+    if not mounted:
+        # Fallback (not root / mount not permitted): data writes past 1 MiB fail with ENOSPC.
+        real_write, written = os.write, [0]
+
+        def write_until_full(fd, data):
+            if written[0] + len(data) > MB:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            written[0] += len(data)
+            return real_write(fd, data)
+
+        monkeypatch.setattr(os, "write", write_until_full)
+    try:
+        # The tier believes it has 64 MiB; the filesystem under it holds 1 MiB.
+        tier = DiskTier(root, 64 * MB)
+        stored, refused = _fill_until_refused(tier, seed=5)
+        assert stored and refused, "the filesystem never filled up"
+        assert temp_files(root) == [] and tier.stats.errors == 0
+        assert tier.contains_many([h for h, _ in refused]) == [False]
+        assert all(torch.equal(g, o) for g, (_, o) in zip(tier.get_many([h for h, _ in stored]), stored))
+        # After deleting, the space is usable again; a reopen sees exactly the stored blocks.
+        tier.delete_many([h for h, _ in stored[:4]])
+        if not mounted:
+            monkeypatch.setattr(os, "write", real_write)
+        assert tier.put_many([refused[0][0]], [refused[0][1]]) == [True]
+        tier.close()
+        reopened = DiskTier(root, 64 * MB)
+        expect = {h for h, _ in stored[4:]} | {refused[0][0]}
+        assert set(reopened.keys()) == expect and reopened.stats.corrupt == 0
+        reopened.close()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(root)], check=True)
