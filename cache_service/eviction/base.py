@@ -16,9 +16,11 @@ Call protocol (all hashes are ``BlockHash``):
   unpinned block is resident. Each call asks ``pinned`` about at most a
   small multiple of the resident count, so it always terminates.
 
-Skipped pinned blocks are moved out of the way (rotated to the "recently
-used" end, or credited with an access) so that a later call does not walk
-over them again: with few pins each call is amortized O(1).
+A pinned block that ``victim`` passes over is treated as if it had just
+been used (LRU: most recent; LFU: one more access; S3-FIFO: on to the main
+queue; ARC: to T2), so a later call does not walk over it again: with few
+pins each call is amortized O(1), and with many it costs about
+pinned / unpinned blocks, not the whole resident set.
 """
 from __future__ import annotations
 
@@ -33,9 +35,11 @@ PinnedFn = Callable[[BlockHash], bool]
 class EvictionPolicy(ABC):
     """Chooses eviction victims among a tier's resident blocks.
 
-    ``capacity_blocks`` is how many blocks the tier holds when full. LRU and
-    LFU only use it to size bookkeeping; S3-FIFO and ARC size their queues
-    and ghost lists from it. Ghost (history) entries never exceed it.
+    ``capacity_blocks`` is how many blocks the tier holds when full; it may
+    be an estimate (block size depends on the model). Policies that size
+    queues or history from it (LFU's aging period, S3-FIFO, ARC) use
+    ``effective_capacity`` instead, and ghost (history) entries never
+    exceed it.
     """
 
     name: ClassVar[str]
@@ -44,6 +48,23 @@ class EvictionPolicy(ABC):
         if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
             raise ConfigError(f"eviction capacity_blocks must be a positive int, got {capacity_blocks!r}")
         self.capacity_blocks = capacity_blocks
+        self._peak = 0  # most blocks resident at once so far
+
+    @property
+    def effective_capacity(self) -> int:
+        """``min(capacity_blocks, most blocks ever resident at once)``, >= 1.
+
+        The store evicts only when its tier is full, so once the tier has
+        filled, the peak is its real size in blocks even when
+        ``capacity_blocks`` over-estimates it. It never decreases.
+        """
+        return max(1, min(self.capacity_blocks, self._peak))
+
+    def _note_size(self) -> None:
+        """Record the resident count after a block was added."""
+        n = len(self)
+        if n > self._peak:
+            self._peak = n
 
     @abstractmethod
     def insert(self, h: BlockHash) -> None:

@@ -7,8 +7,8 @@ comes from the first bucket. Inside a bucket the order is by arrival, so
 ties go to the block that reached that count first.
 
 Aging rule: a logical clock counts accesses (``insert`` and ``touch``).
-Every ``aging_period`` accesses -- default ``10 * capacity_blocks``, and
-never fewer than the number of resident blocks -- every count is halved
+Every ``aging_period`` accesses -- default ``10 * effective_capacity``,
+and never fewer than the number of resident blocks -- every count is halved
 (``max(1, f // 2)``). A block that was hot long ago therefore loses half its
 lead per period and is evicted once the blocks in current use out-count it,
 while a block that stays hot keeps a count near twice its accesses per
@@ -50,10 +50,15 @@ class LFUPolicy(EvictionPolicy):
         super().__init__(capacity_blocks)
         if aging_period is not None and aging_period <= 0:
             raise ConfigError(f"lfu aging_period must be positive, got {aging_period!r}")
-        self.aging_period = aging_period or 10 * capacity_blocks
+        self._aging_period = aging_period
         self._head = _Bucket(0)  # sentinel of the circular bucket list
         self._where: dict[BlockHash, _Bucket] = {}
         self._clock = 0
+
+    @property
+    def aging_period(self) -> int:
+        """Accesses between two halvings of every count."""
+        return self._aging_period or 10 * self.effective_capacity
 
     # -- bucket list -------------------------------------------------------
     def _bucket_after(self, node: _Bucket, freq: int) -> _Bucket:
@@ -113,6 +118,7 @@ class LFUPolicy(EvictionPolicy):
             b = self._bucket_after(self._head, 1)
             b.items[h] = None
             self._where[h] = b
+            self._note_size()
         self._tick()
 
     def touch(self, h: BlockHash) -> None:

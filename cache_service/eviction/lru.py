@@ -24,6 +24,7 @@ class LRUPolicy(EvictionPolicy):
     def insert(self, h: BlockHash) -> None:
         self._order[h] = None
         self._order.move_to_end(h)
+        self._note_size()
 
     def touch(self, h: BlockHash) -> None:
         if h in self._order:

@@ -1,12 +1,16 @@
 """S3-FIFO eviction (Yang et al., "FIFO queues are all you need for cache
 eviction", SOSP'23): three FIFO queues and a 2-bit access counter.
 
-- S (small, ~10% of capacity) admits new blocks. Most blocks are read once
+- S (small, ~10% of the cache) admits new blocks. Most blocks are read once
   ("one-hit wonders"); they leave from S quickly and only their hash is
   remembered in G.
 - M (main) holds blocks that proved useful: read at least once while in S,
   or re-inserted while still remembered in G.
-- G (ghost) is a FIFO of evicted hashes, as long as M's share of capacity.
+- G (ghost) is a FIFO of evicted hashes, as long as M's share of the cache.
+
+Shares are taken of ``effective_capacity`` (the real number of blocks the
+tier holds once it has filled), so a rough ``capacity_blocks`` estimate
+does not skew the 10% split.
 
 Each resident block has a counter, +1 per access, capped at 3.
 
@@ -20,7 +24,10 @@ is empty), else from M.
 
 The store decides when to evict, so M may grow past its share while S
 shrinks; the choice above then drains M until S is back at its share.
-Pinned blocks met on the way are re-queued at their queue's tail unchanged.
+Pinned blocks met on the way are handled as if they had been read: in S
+they move on to M (so a small S full of pinned blocks is not walked again
+on every call), in M they are re-queued at the tail with their counter
+unchanged.
 """
 from __future__ import annotations
 
@@ -40,13 +47,21 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def __init__(self, capacity_blocks: int) -> None:
         super().__init__(capacity_blocks)
-        self.small_target = max(1, round(SMALL_FRACTION * capacity_blocks))
-        self.ghost_capacity = max(1, capacity_blocks - self.small_target)
         # OrderedDicts used as FIFOs with O(1) membership: front = oldest.
         self._small: OrderedDict[BlockHash, None] = OrderedDict()
         self._main: OrderedDict[BlockHash, None] = OrderedDict()
         self._ghost: OrderedDict[BlockHash, None] = OrderedDict()
         self._freq: dict[BlockHash, int] = {}
+
+    @property
+    def small_target(self) -> int:
+        """S's share: ~10% of the cache, at least one block."""
+        return max(1, round(SMALL_FRACTION * self.effective_capacity))
+
+    @property
+    def ghost_capacity(self) -> int:
+        """G remembers as many hashes as M's share of the cache."""
+        return max(1, self.effective_capacity - self.small_target)
 
     def insert(self, h: BlockHash) -> None:
         if h in self._freq:
@@ -59,6 +74,7 @@ class S3FIFOPolicy(EvictionPolicy):
             self._main[h] = None
         else:
             self._small[h] = None
+        self._note_size()
 
     def touch(self, h: BlockHash) -> None:
         f = self._freq.get(h)
@@ -71,28 +87,29 @@ class S3FIFOPolicy(EvictionPolicy):
             self._main.pop(h, None)
 
     def victim(self, pinned: PinnedFn) -> BlockHash | None:
-        if len(self._small) >= self.small_target or not self._main:
-            return self._evict_small(pinned) or self._evict_main(pinned)
-        return self._evict_main(pinned) or self._evict_small(pinned)
+        order = (self._evict_small, self._evict_main)
+        if len(self._small) < self.small_target and self._main:
+            order = (self._evict_main, self._evict_small)
+        for evict in order:
+            h = evict(pinned)
+            if h is not None:
+                return h
+        return None
 
     def _evict_small(self, pinned: PinnedFn) -> BlockHash | None:
-        small, rotated = self._small, 0
-        # Promoted blocks leave S, so once `rotated` reaches len(S) every
-        # block still in S is pinned and has been re-queued once.
-        while small and rotated < len(small):
+        small = self._small
+        # Every block examined leaves S: promoted, or evicted.
+        while small:
             h = next(iter(small))
-            if self._freq[h] > 0:
+            if self._freq[h] > 0 or pinned(h):
                 del small[h]
                 self._main[h] = None
                 self._freq[h] = 0
-            elif pinned(h):
-                small.move_to_end(h)
-                rotated += 1
-            else:
-                del small[h]
-                del self._freq[h]
-                self._remember(h)
-                return h
+                continue
+            del small[h]
+            del self._freq[h]
+            self._remember(h)
+            return h
         return None
 
     def _evict_main(self, pinned: PinnedFn) -> BlockHash | None:
