@@ -3,6 +3,7 @@
  * removes its per-block interpreter overhead. Links against libxxhash. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
 #include <xxhash.h>
 
@@ -44,8 +45,55 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* chain_list(parent16, tokens: list[int], block_tokens) -> list[bytes]
+ * Reads Python ints straight from the list (no intermediate array) and
+ * returns one 16-byte bytes object per full block. Raises OverflowError for
+ * ids outside int32, like the Python reference's check. */
+static PyObject *chain_list(PyObject *self, PyObject *args) {
+    Py_buffer parent;
+    PyObject *seq;
+    Py_ssize_t bt;
+    if (!PyArg_ParseTuple(args, "y*On", &parent, &seq, &bt)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "tokens must be a sequence");
+    if (!fast || parent.len != 16 || bt <= 0) {
+        PyBuffer_Release(&parent);
+        Py_XDECREF(fast);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "parent must be 16 bytes, block_tokens > 0");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast) / bt;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    PyObject *out = PyList_New(n);
+    unsigned char *buf = PyMem_Malloc(16 + 4 * bt);
+    memcpy(buf, parent.buf, 16);
+    for (Py_ssize_t i = 0; out && buf && i < n; i++) {
+        for (Py_ssize_t k = 0; k < bt; k++) {
+            long v = PyLong_AsLong(items[i * bt + k]);
+            if ((v == -1 && PyErr_Occurred()) || v < INT32_MIN || v > INT32_MAX) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "token ids must fit in int32");
+                Py_CLEAR(out);
+                break;
+            }
+            uint32_t u = (uint32_t)(int32_t)v;
+            unsigned char *d = buf + 16 + 4 * k;
+            d[0] = u & 0xff; d[1] = (u >> 8) & 0xff; d[2] = (u >> 16) & 0xff; d[3] = (u >> 24) & 0xff;
+        }
+        if (!out) break;
+        put_canonical(buf, XXH3_128bits(buf, 16 + 4 * bt));
+        PyObject *h = PyBytes_FromStringAndSize((const char *)buf, 16);
+        if (!h) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, i, h);
+    }
+    if (!buf) { Py_CLEAR(out); PyErr_NoMemory(); }
+    PyMem_Free(buf);
+    PyBuffer_Release(&parent);
+    Py_DECREF(fast);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS, "chain(parent16, data, step) -> concatenated 16-byte hashes"},
+    {"chain_list", chain_list, METH_VARARGS, "chain_list(parent16, tokens, block_tokens) -> list of 16-byte hashes"},
     {NULL, NULL, 0, NULL},
 };
 

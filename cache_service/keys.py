@@ -106,6 +106,13 @@ def chain_hashes(
     per full block (LoRA id, multimodal hash, ...).
     """
     assert len(parent) == HASH_BYTES, "parent must be a 16-byte hash"
+    if _hashchain is not None and not extras and isinstance(token_ids, (list, tuple)):
+        try:  # the common case (a list of ints) without building an array first
+            return _hashchain.chain_list(parent, token_ids, block_tokens)
+        except OverflowError:
+            raise ValueError("token ids must fit in int32") from None
+        except TypeError:
+            pass  # not plain ints (numpy scalars, nested lists): the general path checks
     buf = token_bytes(token_ids)
     step = block_tokens * 4
     n = len(buf) // step

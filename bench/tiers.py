@@ -1,0 +1,188 @@
+"""Tier bandwidth and hashing throughput, each as a ratio to its physical peer
+measured in the same run.
+
+- CPU tier: put_many / get_into of block objects vs a plain torch copy of the
+  same bytes into preallocated buffers (memcpy).
+- Disk tier: put_many / get_many vs raw sequential file writes (write + fsync
+  + close per file) and reads (open + readinto + close) of the same bytes and
+  file sizes. Page cache dropped for the files read (posix_fadvise
+  DONTNEED after an fsync), for both sides: reads come from the device.
+- Hashing: our chained xxh3_128 block keys vs vLLM's default prefix hash
+  sha256(pickle.dumps((parent, tuple(tokens), None))) on the same token lists.
+
+Usage: python bench/tiers.py [--quick]. Last line: one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cache_service.keys import chain_hashes  # noqa: E402
+from tiers.cpu import CpuTier  # noqa: E402
+from tiers.disk import DiskTier  # noqa: E402
+
+# bytes per 16-token block: SmolLM2-135M bf16 (30 layers, 3 KV heads, dim 64), Llama-3-8B bf16
+SIZES = {"smollm2-135m": 30 * 2 * 16 * 3 * 64 * 2, "llama3-8b": 32 * 2 * 16 * 8 * 128 * 2}
+
+
+def timeit(fn, reps: int) -> float:
+    """Median wall time of fn() over reps runs (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def objects(n: int, size: int) -> tuple[list[bytes], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(size)
+    objs = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g) for _ in range(n)]
+    return [os.urandom(16) for _ in range(n)], objs
+
+
+def bench_cpu(n: int, size: int, reps: int) -> dict[str, float]:
+    hashes, objs = objects(n, size)
+    tier = CpuTier(capacity_bytes=n * size, slot_bytes=size)
+    dst = [torch.empty(size, dtype=torch.uint8) for _ in range(n)]
+
+    def memcpy():
+        for d, s in zip(dst, objs):
+            d.copy_(s)
+
+    def store():
+        tier.delete_many(hashes)
+        tier.put_many(hashes, objs)
+
+    memcpy(), store(), tier.get_into(hashes, dst)  # touch every page once
+    rows = []
+    for _ in range(reps):  # paired: each repetition times all three back to back
+        rows.append((_time(memcpy), _time(store), _time(lambda: tier.get_into(hashes, dst))))
+    assert all(torch.equal(d, s) for d, s in zip(dst, objs))
+    tier.close()
+    med = statistics.median
+    return {"memcpy_gbs": n * size / med(r[0] for r in rows) / 1e9,
+            "store_gbs": n * size / med(r[1] for r in rows) / 1e9,
+            "load_gbs": n * size / med(r[2] for r in rows) / 1e9,
+            "store_vs_memcpy": med(r[0] / r[1] for r in rows), "load_vs_memcpy": med(r[0] / r[2] for r in rows)}
+
+
+def _drop_cache(paths) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def _raw_write(paths, objs) -> None:
+    for p, o in zip(paths, objs):
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, memoryview(o.numpy()))
+        os.fsync(fd)
+        os.close(fd)
+
+
+def _raw_read(paths, size) -> None:
+    for p in paths:
+        buf = torch.empty(size, dtype=torch.uint8)
+        with open(p, "rb", buffering=0) as f:
+            f.readinto(memoryview(buf.numpy()))
+
+
+def bench_disk(n: int, size: int, reps: int, root: Path) -> dict[str, float]:
+    hashes, objs = objects(n, size)
+    raw_dir = root / "raw"
+    raw_dir.mkdir()
+    raw_paths = [raw_dir / f"{i:06d}" for i in range(n)]
+    tier = DiskTier(root / "tier", capacity_bytes=n * size * 2, fsync=True)
+    tier_paths = lambda: [tier.path_of(h) for h in hashes]  # noqa: E731
+
+    def store():
+        tier.delete_many(hashes)
+        tier.put_many(hashes, objs)
+
+    w_raw, w_tier, r_raw, r_tier = [], [], [], []
+    for _ in range(reps):  # interleave so noise hits both sides alike
+        w_raw.append(_time(lambda: _raw_write(raw_paths, objs)))
+        w_tier.append(_time(store))
+        _drop_cache(raw_paths)
+        r_raw.append(_time(lambda: _raw_read(raw_paths, size)))
+        _drop_cache(tier_paths())
+        r_tier.append(_time(lambda: tier.get_many(hashes)))
+    got = tier.get_many(hashes)
+    assert all(torch.equal(g, o) for g, o in zip(got, objs))
+    tier.close()
+    med = statistics.median
+    return {"raw_write_gbs": n * size / med(w_raw) / 1e9, "store_gbs": n * size / med(w_tier) / 1e9,
+            "raw_read_gbs": n * size / med(r_raw) / 1e9, "load_gbs": n * size / med(r_tier) / 1e9,
+            "store_vs_raw": med(a / b for a, b in zip(w_raw, w_tier)),
+            "load_vs_raw": med(a / b for a, b in zip(r_raw, r_tier))}
+
+
+def _time(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bench_hash(n_tokens: int, block_tokens: int, reps: int) -> dict[str, float]:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 128_000, size=n_tokens).tolist()
+
+    def vllm_default():
+        parent = None
+        for i in range(0, n_tokens - block_tokens + 1, block_tokens):
+            parent = hashlib.sha256(pickle.dumps((parent, tuple(tokens[i:i + block_tokens]), None))).digest()
+
+    def ours():
+        chain_hashes(bytes(16), tokens, block_tokens)
+
+    t_ref, t_ours = timeit(vllm_default, reps), timeit(ours, reps)
+    return {"ours_mtok_s": n_tokens / t_ours / 1e6, "sha256_mtok_s": n_tokens / t_ref / 1e6, "vs_sha256": t_ref / t_ours}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, finishes in well under 60 s")
+    ap.add_argument("--dir", default=None, help="directory on the disk to test (default: a temp dir)")
+    args = ap.parse_args()
+    reps = 5 if args.quick else 15
+    total = (64 if args.quick else 256) * 2**20  # bytes moved per measurement
+    root = Path(tempfile.mkdtemp(prefix="tierkv-bench-", dir=args.dir))
+    figures: dict[str, dict] = {}
+    try:
+        for name, size in SIZES.items():
+            n = max(8, total // size)
+            figures[f"cpu/{name}"] = bench_cpu(n, size, reps)
+            sub = root / name
+            sub.mkdir()
+            figures[f"disk/{name}"] = bench_disk(max(8, n // 4), size, reps, sub)
+        figures["hash"] = bench_hash(16 * (4096 if args.quick else 32768), 16, reps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for k, v in figures.items():
+        print(f"{k:24s} " + "  ".join(f"{a}={b:.3f}" for a, b in v.items() if not a.startswith("_")))
+    pick = lambda kind, key: round(min(v[key] for k, v in figures.items() if k.startswith(kind)), 3)  # noqa: E731
+    print(json.dumps({
+        "cpu_store_vs_memcpy": pick("cpu/", "store_vs_memcpy"), "cpu_load_vs_memcpy": pick("cpu/", "load_vs_memcpy"),
+        "disk_store_vs_raw": pick("disk/", "store_vs_raw"), "disk_load_vs_raw": pick("disk/", "load_vs_raw"),
+        "hash_vs_sha256": round(figures["hash"]["vs_sha256"], 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()
