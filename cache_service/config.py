@@ -110,12 +110,41 @@ class DiskConfig(TierConfig):
 
 
 @dataclass(slots=True)
+class S3Config(TierConfig):
+    """S3 (or any S3-compatible endpoint). Empty endpoint = AWS; empty keys =
+    boto3's credential chain (AWS_* env, profile, instance role)."""
+
+    bucket: str = ""
+    prefix: str = "tierkv"
+    endpoint: str = ""
+    region: str = "us-east-1"
+    access_key: str = ""
+    secret_key: str = ""
+    addressing_style: str = "path"
+    max_concurrency: int = 8
+    multipart_threshold: int = 8 * 2**20
+    connect_timeout: float = 2.0
+    read_timeout: float = 10.0
+    retries: int = 2
+    write: str = "through"
+
+    def __post_init__(self) -> None:
+        TierConfig.__post_init__(self)
+        if not self.capacity:
+            raise ConfigError("capacity is required")
+        if not self.bucket:
+            raise ConfigError("bucket is required")
+        _check_choice("addressing_style", self.addressing_style, ("path", "virtual", "auto"))
+
+
+@dataclass(slots=True)
 class TiersConfig:
     """Which tiers exist (None = not configured), top to bottom."""
 
     hbm: HbmConfig | None = None
     cpu: CpuConfig | None = field(default_factory=lambda: CpuConfig(capacity=2**30))
     disk: DiskConfig | None = None
+    s3: S3Config | None = None
 
     def __post_init__(self) -> None:
         for name in ("hbm", "cpu", "disk"):

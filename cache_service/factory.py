@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 
 from cache_service.config import TIER_ORDER, Config, CpuConfig, DiskConfig, HbmConfig, TierConfig
+from cache_service.config import S3Config
 from cache_service.eviction import make_policy
 from cache_service.store import TieredStore
 from tiers.base import Tier
@@ -33,10 +34,19 @@ def _disk_kwargs(c: DiskConfig) -> dict[str, Any]:
     return dict(root=c.path, capacity_bytes=c.capacity, fsync=c.fsync)
 
 
+def _s3_kwargs(c: S3Config) -> dict[str, Any]:
+    return dict(bucket=c.bucket, capacity_bytes=c.capacity, prefix=c.prefix, endpoint_url=c.endpoint or None,
+                region=c.region, access_key=c.access_key or None, secret_key=c.secret_key or None,
+                addressing_style=c.addressing_style, max_concurrency=c.max_concurrency,
+                multipart_threshold=c.multipart_threshold, connect_timeout=c.connect_timeout,
+                read_timeout=c.read_timeout, retries=c.retries)
+
+
 TIER_REGISTRY: dict[str, _Entry] = {
     "hbm": _Entry("tiers.hbm:HbmTier", _hbm_kwargs),
     "cpu": _Entry("tiers.cpu:CpuTier", _cpu_kwargs),
     "disk": _Entry("tiers.disk:DiskTier", _disk_kwargs),
+    "s3": _Entry("tiers.s3:S3Tier", _s3_kwargs),
 }
 
 

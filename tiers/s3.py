@@ -1,0 +1,475 @@
+"""S3 tier: block objects as S3 objects, shared by every node on the bucket.
+
+Keys are content-addressed, ``<prefix>/<hh>/<hash hex>`` (hh = first hash
+byte in hex, spreading keys over 256 S3 partitions). No namespace segment:
+hashes chain from ``h_-1 = namespace fingerprint``, so two namespaces share a
+hash only by an xxh3_128 collision, and any node names a block from its hash
+alone (the header still carries the namespace; the store checks it on load).
+
+Visibility and capacity. S3 cannot say cheaply which of N keys exist, and the
+store calls ``contains_many`` on hot paths (every lookup, every new block on
+write-through), so it is answered from what this tier knows, never by a
+request: blocks listed at open (``list_objects_v2``), blocks written here,
+blocks found by ``get_many`` (which always asks S3) or ``refresh()``.
+Capacity counts listed and written blocks: exactly what ``keys()`` gives the
+store's eviction policy, which evicts by ``delete_many``. Blocks other nodes
+wrote later are served but not counted (this node's policy cannot reclaim
+them); bucket-wide, a lifecycle rule (``set_expiration``) is the backstop.
+
+Failures. 404 is a miss. Any other failure is a miss, or a put returning
+False, counted in ``stats.errors`` and logged at a bounded rate; nothing is
+raised to the store. After a transport failure or a 5xx the tier leaves S3
+alone for ``retry_after_s`` (reads miss, writes fail at once), so an outage
+costs callers misses, not waits. Only bad settings or credentials raise, at
+construction; an endpoint unreachable at open is an outage (starts empty).
+
+Integrity is end to end: objects carry an xxh3 payload checksum the store
+verifies on load (``verify_payload``), so botocore's per-request checksums
+are left at "when required".
+"""
+from __future__ import annotations
+
+import io
+import logging
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Sequence, TypeVar
+
+import boto3
+import torch
+import urllib3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
+
+from tiers.base import Tier
+from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError, TierUnavailableError
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+_MIN_PART = 5 * MIB  # S3's smallest multipart part
+_MISSING = {"404", "NoSuchKey", "NotFound"}
+_AUTH = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
+_MAX_FOREIGN = 1 << 20  # blocks remembered from other nodes (oldest forgotten first)
+_DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 limit)
+T = TypeVar("T")
+
+
+class _Throttled:
+    """A logger that emits at most one warning per `every_s`, counting the rest."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._next = 0.0
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def warn(self, msg: str, *args: object) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                self._suppressed += 1
+                return
+            skipped, self._suppressed, self._next = self._suppressed, 0, now + self.every_s
+        log.warning(msg + (f" (+{skipped} similar suppressed)" if skipped else ""), *args)
+
+
+class S3Tier(Tier):
+    """Block objects in `bucket` under `prefix`; any S3-compatible endpoint.
+
+    `endpoint_url` None means AWS; `access_key`/`secret_key` None use boto3's
+    credential chain. Objects of `multipart_threshold` bytes or more are
+    uploaded in parts. `retries` is botocore's retry count (standard mode)
+    per request; `retry_after_s` is how long an unreachable S3 is left alone.
+    """
+
+    name = "s3"
+    verify_payload = True
+
+    def __init__(self, bucket: str, *, capacity_bytes: int, prefix: str = "tierkv",
+                 endpoint_url: str | None = None, region: str = "us-east-1",
+                 access_key: str | None = None, secret_key: str | None = None,
+                 addressing_style: str = "path", max_concurrency: int = 8,
+                 multipart_threshold: int = 8 * MIB, connect_timeout: float = 2.0,
+                 read_timeout: float = 10.0, retries: int = 2, retry_after_s: float = 2.0) -> None:
+        _validate(bucket, prefix, addressing_style, max_concurrency, multipart_threshold,
+                  connect_timeout, read_timeout, retries, capacity_bytes)
+        super().__init__(capacity_bytes)
+        self.bucket, self.prefix = bucket, prefix
+        self.retry_after_s = retry_after_s
+        cfg = BotoConfig(
+            region_name=region, s3={"addressing_style": addressing_style},
+            connect_timeout=connect_timeout, read_timeout=read_timeout,
+            retries={"mode": "standard", "total_max_attempts": retries + 1},
+            max_pool_connections=2 * max_concurrency,
+            request_checksum_calculation="when_required", response_checksum_validation="when_required")
+        # A session per tier: boto3's default session is not safe to share across threads.
+        self._client = boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url, aws_access_key_id=access_key,
+            aws_secret_access_key=secret_key, config=cfg)
+        self._transfer = TransferConfig(multipart_threshold=multipart_threshold,
+                                        multipart_chunksize=multipart_threshold,
+                                        max_concurrency=max_concurrency)
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="tierkv-s3")
+        self._lock = threading.Lock()
+        self._index: dict[BlockHash, list[int]] = {}  # counted blocks: hash -> [size, last use ns]
+        self._foreign: dict[BlockHash, int] = {}  # found, not counted: hash -> size
+        self._used = self._reserved = 0
+        self._down_until = 0.0
+        self._ready = False  # bucket checked/created
+        self._closed = False
+        self._warn = _Throttled()
+        self._open()
+
+    # -- opening ----------------------------------------------------------------
+
+    def key_of(self, h: BlockHash) -> str:
+        """The S3 key of block `h`."""
+        return f"{self.prefix}/{h[0]:02x}/{h.hex()}"
+
+    def _open(self) -> None:
+        """Make sure the bucket exists and index what it holds. An unreachable
+        endpoint is an outage, not an error: the tier starts empty and retries."""
+        try:
+            self._ensure_bucket()
+        except (BotoCoreError, ClientError) as e:
+            if _code(e) in _AUTH or isinstance(e, ParamValidationError):
+                raise ConfigError(f"s3 tier: bucket {self.bucket!r}: {e}") from None
+            log.warning("s3 tier: %s unreachable at open (%s); starting empty", self.bucket, e)
+            self._trip()
+            return
+        found = self._list()
+        with self._lock:
+            for h, (size, mtime) in found.items():
+                self._index[h] = [size, mtime]
+            self._used = sum(e[0] for e in self._index.values())
+            self.stats.add(blocks=len(self._index), used_bytes=self._used)
+
+    def _ensure_bucket(self) -> None:
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            if _code(e) not in _MISSING and _code(e) != "NoSuchBucket":
+                raise
+            region = self._client.meta.region_name
+            where = {} if region == "us-east-1" else {
+                "CreateBucketConfiguration": {"LocationConstraint": region}}
+            try:
+                self._client.create_bucket(Bucket=self.bucket, **where)
+            except ClientError as e2:
+                if _code(e2) != "BucketAlreadyOwnedByYou":  # another node won the race
+                    raise
+        self._ready = True
+
+    def _list(self) -> dict[BlockHash, tuple[int, int]]:
+        """hash -> (size, last-modified ns) of every block under the prefix; a
+        listing cut short by a failure keeps what it got."""
+        found: dict[BlockHash, tuple[int, int]] = {}
+        pattern = re.compile(re.escape(self.prefix) + r"/([0-9a-f]{2})/([0-9a-f]{32})")
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self.prefix + "/")
+            for page in pages:
+                for o in page.get("Contents", ()):
+                    m = pattern.fullmatch(o["Key"])
+                    if m and m.group(2).startswith(m.group(1)):
+                        mtime = int(o["LastModified"].timestamp() * 1e9)
+                        found[BlockHash(bytes.fromhex(m.group(2)))] = (o["Size"], mtime)
+        except (BotoCoreError, ClientError) as e:
+            self._fail("list", self.prefix, e)
+        return found
+
+    def refresh(self) -> int:
+        """Re-list the prefix so blocks other nodes wrote since open answer
+        `contains_many`; returns how many were new. (Not counted in capacity.)"""
+        found = self._list()
+        with self._lock:
+            new = {h: s for h, (s, _) in found.items() if h not in self._index and h not in self._foreign}
+            self._remember_foreign(new)
+        return len(new)
+
+    # -- writes -----------------------------------------------------------------
+
+    def footprint(self, nbytes: int) -> int:
+        if nbytes > self.capacity_bytes:
+            raise CapacityError(f"s3: object of {nbytes} B exceeds capacity {self.capacity_bytes} B")
+        return nbytes
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return max(0, self.capacity_bytes - self._used - self._reserved)
+
+    def put_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[bool]:
+        assert len(hashes) == len(objs), "one object per hash"
+        for obj in objs:
+            assert obj.dtype == torch.uint8 and obj.dim() == 1 and obj.is_contiguous(), \
+                "objects are 1-D contiguous uint8 tensors"
+            self.footprint(obj.numel())
+        todo: list[int] = []
+        with self._lock:
+            self._check_open()
+            seen: set[BlockHash] = set()
+            for i, (h, obj) in enumerate(zip(hashes, objs)):
+                if h in seen or h in self._index:
+                    continue
+                seen.add(h)
+                if self._used + self._reserved + obj.numel() <= self.capacity_bytes:
+                    self._reserved += obj.numel()
+                    todo.append(i)
+        try:
+            ok = self._map(lambda i: self._put_one(hashes[i], objs[i]), todo)
+        finally:
+            with self._lock:
+                self._reserved -= sum(objs[i].numel() for i in todo)
+        done = [i for i, good in zip(todo, ok) if good]
+        with self._lock:
+            stamp = time.time_ns()
+            for i in done:
+                self._foreign.pop(hashes[i], None)
+                self._index[hashes[i]] = [objs[i].numel(), stamp]
+            nbytes = sum(objs[i].numel() for i in done)
+            self._used += nbytes
+            self.stats.add(blocks=len(done), used_bytes=nbytes, bytes_in=nbytes)
+            return [h in self._index for h in hashes]
+
+    def _put_one(self, h: BlockHash, obj: torch.Tensor) -> bool:
+        if not self._usable():
+            self.stats.add(errors=1)
+            return False
+        data = obj.cpu().numpy().tobytes()
+        try:
+            if len(data) >= self._transfer.multipart_threshold:
+                self._client.upload_fileobj(io.BytesIO(data), self.bucket, self.key_of(h), Config=self._transfer)
+            else:
+                self._client.put_object(Bucket=self.bucket, Key=self.key_of(h), Body=data)
+            return True
+        except (BotoCoreError, ClientError) as e:
+            self._fail("put", h.hex(), e)
+            return False
+
+    def delete_many(self, hashes: Iterable[BlockHash]) -> int:
+        """Delete the objects (known to this node or not: another node may
+        have written them); returns how many this node knew of. A failed
+        delete still forgets the block here; the lifecycle rule reclaims it."""
+        hashes = list(dict.fromkeys(hashes))
+        with self._lock:
+            self._check_open()
+            known = self._forget(hashes)
+        for start in range(0, len(hashes), _DELETE_BATCH):
+            self._delete_keys([self.key_of(h) for h in hashes[start:start + _DELETE_BATCH]])
+        return known
+
+    def _delete_keys(self, keys: list[str]) -> None:
+        if not keys or not self._usable():
+            self.stats.add(errors=len(keys))
+            return
+        try:
+            resp = self._client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+        except (BotoCoreError, ClientError) as e:
+            self._fail("delete", f"{len(keys)} keys", e)
+            self.stats.add(errors=len(keys) - 1)
+            return
+        failed = [err for err in resp.get("Errors", ()) if err.get("Code") not in _MISSING]
+        if failed:
+            self.stats.add(errors=len(failed))
+            self._warn.warn("s3 tier: %d deletes failed, first: %s", len(failed), failed[0])
+
+    def _forget(self, hashes: Iterable[BlockHash]) -> int:
+        """Drop blocks from this node's view (caller holds the lock); returns
+        how many it knew of."""
+        known = nbytes = counted = 0
+        for h in hashes:
+            e = self._index.pop(h, None)
+            if e is not None:
+                counted += 1
+                nbytes += e[0]
+            known += e is not None or self._foreign.pop(h, None) is not None
+        self._used -= nbytes
+        self.stats.add(blocks=-counted, used_bytes=-nbytes)
+        return known
+
+    def quarantine(self, hashes: Iterable[BlockHash]) -> None:
+        """Copy objects that failed the store's checks to
+        ``<prefix>/quarantine/<hash>-<ns>`` (for inspection), then delete them."""
+        hashes = list(hashes)
+        for h in hashes:
+            if not self._usable():
+                break
+            dst = f"{self.prefix}/quarantine/{h.hex()}-{time.time_ns()}"
+            try:
+                self._client.copy_object(Bucket=self.bucket, Key=dst,
+                                         CopySource={"Bucket": self.bucket, "Key": self.key_of(h)})
+            except (BotoCoreError, ClientError) as e:
+                if _code(e) not in _MISSING:
+                    self._fail("quarantine", h.hex(), e)
+        self.delete_many(hashes)
+
+    # -- reads ------------------------------------------------------------------
+
+    def get_many(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        """Fresh 1-D uint8 tensors; a block this node did not know of is
+        looked for too (another node may have written it)."""
+        with self._lock:
+            self._check_open()
+        out = self._map(self._get_one, list(hashes))
+        hits = [o.numel() for o in out if o is not None]
+        self.stats.add(hits=len(hits), misses=len(out) - len(hits), bytes_out=sum(hits))
+        return out
+
+    def _get_one(self, h: BlockHash) -> torch.Tensor | None:
+        if not self._usable():
+            self.stats.add(errors=1)
+            return None
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=self.key_of(h))
+            buf = _read_body(resp)
+        except (BotoCoreError, ClientError, OSError, urllib3.exceptions.HTTPError) as e:
+            if _code(e) in _MISSING:
+                with self._lock:  # deleted by another node
+                    self._forget([h])
+            else:
+                self._fail("get", h.hex(), e)
+            return None
+        with self._lock:
+            e = self._index.get(h)
+            if e is not None:
+                e[1] = time.time_ns()
+            else:
+                self._remember_foreign({h: buf.numel()})
+        return buf
+
+    def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Whether each block is known to be in the bucket (no request made;
+        see the module docstring)."""
+        with self._lock:
+            return [h in self._index or h in self._foreign for h in hashes]
+
+    def keys(self) -> list[BlockHash]:
+        """Counted blocks, least recently used (or modified, before open) first."""
+        with self._lock:
+            return sorted(self._index, key=lambda h: self._index[h][1])
+
+    # -- admin ------------------------------------------------------------------
+
+    def set_expiration(self, days: int) -> None:
+        """Install (or replace) a bucket lifecycle rule expiring objects under
+        this prefix `days` after they were written; other rules are kept.
+        Raises TierUnavailableError if S3 refuses."""
+        if days <= 0:
+            raise ConfigError(f"s3 tier: expiration days must be positive, got {days}")
+        rule_id = f"tierkv-expire-{self.prefix}"
+        try:
+            try:
+                rules = self._client.get_bucket_lifecycle_configuration(Bucket=self.bucket)["Rules"]
+            except ClientError as e:
+                if _code(e) != "NoSuchLifecycleConfiguration":
+                    raise
+                rules = []
+            rules = [r for r in rules if r.get("ID") != rule_id] + [{
+                "ID": rule_id, "Filter": {"Prefix": self.prefix + "/"}, "Status": "Enabled",
+                "Expiration": {"Days": days}}]
+            self._client.put_bucket_lifecycle_configuration(
+                Bucket=self.bucket, LifecycleConfiguration={"Rules": rules})
+        except (BotoCoreError, ClientError) as e:
+            raise TierUnavailableError(f"s3 tier: cannot set lifecycle on {self.bucket}: {e}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        self._client.close()
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _map(self, fn: Callable[[T], object], items: Sequence[T]) -> list:
+        """fn over items on the bounded pool, results in order."""
+        if len(items) <= 1:  # no hand-off for the common single-block call
+            return [fn(x) for x in items]
+        return list(self._pool.map(fn, items))
+
+    def _usable(self) -> bool:
+        """False while S3 is being left alone after a failure; checks the
+        bucket first if that has not succeeded yet."""
+        if time.monotonic() < self._down_until:
+            return False
+        if not self._ready:
+            try:
+                self._ensure_bucket()
+            except (BotoCoreError, ClientError) as e:
+                self._fail("open", self.bucket, e)
+                return False
+        return True
+
+    def _fail(self, op: str, what: str, e: Exception) -> None:
+        """Count and log a failed request; leave S3 alone for a while if it
+        looks down (transport failure or 5xx) rather than wrong for one key."""
+        self.stats.add(errors=1)
+        code = _code(e)
+        if not isinstance(e, ClientError) or code.startswith("5") or code in ("SlowDown", "ServiceUnavailable"):
+            self._trip()
+        self._warn.warn("s3 tier: %s %s failed: %s", op, what, e)
+
+    def _trip(self) -> None:
+        self._down_until = time.monotonic() + self.retry_after_s
+
+    def _remember_foreign(self, sizes: dict[BlockHash, int]) -> None:
+        """Caller holds the lock. Bounded: the oldest entries go first."""
+        self._foreign.update(sizes)
+        while len(self._foreign) > _MAX_FOREIGN:
+            del self._foreign[next(iter(self._foreign))]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierKVError(f"s3 tier {self.bucket}/{self.prefix} is closed")
+
+
+def _read_body(resp: dict) -> torch.Tensor:
+    """The response body read straight into a preallocated tensor; OSError if
+    the stream ends before Content-Length bytes."""
+    n = resp["ContentLength"]
+    buf = torch.empty(n, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    body = resp["Body"]
+    raw = body._raw_stream  # the urllib3 response: readinto, no bytes object of the whole body
+    try:
+        got = 0
+        while got < n:
+            k = raw.readinto(view[got:])
+            if not k:
+                raise OSError(f"body ended after {got} of {n} bytes")
+            got += k
+    finally:
+        body.close()
+    return buf
+
+
+def _code(e: Exception) -> str:
+    if isinstance(e, ClientError):
+        err = e.response.get("Error", {})
+        return str(err.get("Code") or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+    return ""
+
+
+def _validate(bucket: str, prefix: str, addressing_style: str, max_concurrency: int,
+              multipart_threshold: int, connect_timeout: float, read_timeout: float,
+              retries: int, capacity_bytes: int) -> None:
+    """Constructor arguments, checked before any request (ConfigError names the bad one)."""
+    checks = [
+        (bool(re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket or "")), f"bucket name {bucket!r}"),
+        (bool(prefix) and not prefix.startswith("/") and not prefix.endswith("/"), f"prefix {prefix!r}"),
+        (addressing_style in ("path", "virtual", "auto"), f"addressing_style {addressing_style!r}"),
+        (max_concurrency >= 1, f"max_concurrency {max_concurrency}"),
+        (multipart_threshold >= _MIN_PART, f"multipart_threshold {multipart_threshold} (S3 needs >= 5 MiB)"),
+        (connect_timeout > 0 and read_timeout > 0, f"timeouts {connect_timeout}/{read_timeout}"),
+        (retries >= 0, f"retries {retries}"),
+        (capacity_bytes > 0, f"capacity_bytes {capacity_bytes}"),
+    ]
+    for ok, what in checks:
+        if not ok:
+            raise ConfigError(f"s3 tier: invalid {what}")
