@@ -1,0 +1,36 @@
+"""`tierkv` CLI: clear one-line errors and non-zero exits on bad input."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+
+
+def test_unknown_model_is_a_one_line_error():
+    r = run("generate", "--model", "no-such-model", "--prompt", "hi", "--kv-connector", "none")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no-such-model" in r.stderr
+
+
+def test_unreadable_prompt_file_is_a_one_line_error(tmp_path):
+    r = run("generate", "--model", "tiny-random", "--prompt-file", str(tmp_path / "missing.txt"))
+    assert r.returncode == 2 and "cannot read prompt file" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_prompt_longer_than_the_context_is_a_one_line_error(tmp_path):
+    f = tmp_path / "long.txt"
+    f.write_text("word " * 100_000)
+    r = run("generate", "--model", "tiny-random", "--prompt-file", str(f), "--kv-connector", "none")
+    assert r.returncode == 2 and "max_model_len" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_human_output_has_the_answer_and_a_summary(tmp_path):
+    r = run("generate", "--model", "tiny-random", "--prompt", "hello there", "--max-tokens", "4",
+            "--kv-connector", f"local://{tmp_path}")
+    assert r.returncode == 0 and r.stdout.strip() and "[tierkv] prompt" in r.stderr
