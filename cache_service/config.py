@@ -16,6 +16,11 @@ reads an untyped dict. Example ``tierkv.toml``::
     capacity = "100GiB"
     write = "through"           # or "back" (written when evicted from above)
 
+    [directory]                 # optional: cross-node index and shared sessions
+    url = "redis://10.0.0.5:6379/0"   # or cluster = "10.0.0.5:7000,10.0.0.6:7000"
+    node_id = "gpu-node-3"      # default: hostname + a digest of the disk path
+    heartbeat_ttl_s = 15
+
 Environment variables address the same keys with ``__`` between levels:
 ``TIERKV_TIERS__CPU__CAPACITY=8GiB``, ``TIERKV_STORE__QUEUE_FULL=skip``.
 """
@@ -26,7 +31,7 @@ import re
 import tomllib
 import types
 import typing
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -171,9 +176,42 @@ class StoreConfig:
 
 
 @dataclass(slots=True)
+class DirectoryConfig:
+    """The Redis directory (tiers/redis_dir.py): one Redis (`url`) or a Redis
+    Cluster (`cluster`, comma-separated host:port startup nodes)."""
+
+    url: str = ""
+    cluster: str = ""
+    node_id: str = ""  # empty: hostname + digest of the disk tier's path
+    endpoint: str = ""  # how peers reach this node (e.g. its daemon's grpc://), informational
+    prefix: str = ""  # key prefix; empty: derived from the S3 bucket and prefix, else "tierkv"
+    heartbeat_ttl_s: float = 15.0
+    block_ttl_s: float = 7 * 86400.0
+    socket_timeout_s: float = 0.5
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if bool(self.url) == bool(self.cluster):
+            raise ConfigError("directory: set exactly one of url and cluster")
+        if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"directory.url {self.url!r} must start with redis://, rediss:// or unix://")
+        for node in filter(None, self.cluster.split(",")):
+            host, _, port = node.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"directory.cluster: {node!r} is not host:port")
+        for name in ("heartbeat_ttl_s", "block_ttl_s", "socket_timeout_s", "max_backoff_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"directory.{name} must be positive, got {getattr(self, name)}")
+
+    def cluster_nodes(self) -> list[tuple[str, int]]:
+        return [(h, int(p)) for h, _, p in (n.strip().rpartition(":") for n in self.cluster.split(",") if n.strip())]
+
+
+@dataclass(slots=True)
 class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
+    directory: DirectoryConfig | None = None
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:

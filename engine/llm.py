@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
 
 from cache_service.keys import Namespace
+from connectors.model_id import model_id_for_dir
 from engine.block_manager import BlockManager
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.kv_connector import KVConnector
 from engine.model_runner import ModelRunner
-from engine.models import BUILTIN_MODELS, resolve_model
+from engine.models import resolve_model
 from engine.sampler import make_generator, sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence
@@ -60,7 +60,7 @@ class LLM:
         if dtype not in DTYPES:
             raise ConfigError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
         self.path = resolve_model(model)
-        self.model_id = model if model in BUILTIN_MODELS else _local_id(self.path)
+        self.model_id = model_id_for_dir(self.path)  # the same id vLLM's connector derives
         self.model_config = ModelConfig.from_dir(self.path)
         self.dtype, self.kv_dtype = DTYPES[dtype], dtype
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -182,14 +182,3 @@ def _load_tokenizer(path: Path):
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     tok.model_max_length = sys.maxsize  # the engine checks lengths itself; silences a per-encode warning
     return tok
-
-
-def _local_id(path: Path) -> str:
-    """A model id for a local directory: its name plus a digest of its config and weights,
-    so two different checkpoints never share cached KV."""
-    h = xxhash.xxh3_64()
-    for f in [path / "config.json", *sorted(path.glob("*.safetensors"))]:
-        with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 24):
-                h.update(chunk)
-    return f"{path.name}@{h.hexdigest()}"

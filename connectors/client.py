@@ -1,0 +1,78 @@
+"""The engine-side view of the cache service: `connect(url)`.
+
+URL schemes (the same everywhere: CLI flag, vLLM extra config):
+
+- ``local:///path/to/dir`` - an embedded `TieredStore` in this process (CPU
+  tier over a disk tier rooted at the path); ``local://`` uses the default
+  directory (``$TIERKV_CACHE_DIR/store``). Query parameters override tier
+  settings: ``local:///d?cpu=2GiB&disk=20GiB&policy=s3fifo``.
+- ``grpc://host:port`` - the standalone daemon (`tierkv serve`).
+- ``none`` - no cache.
+
+Everything else in `connectors/` talks to a `CacheClient`, so an engine does
+not care whether the store is embedded or remote.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Protocol, Sequence
+from urllib.parse import parse_qs, urlsplit
+
+import torch
+
+from cache_service.config import Config, default_cache_dir, load_config
+from cache_service.factory import open_store
+from cache_service.keys import Namespace
+from tiers.types import BlockHash, ConfigError, TierKVError, TierUnavailableError
+
+log = logging.getLogger("tierkv.client")
+_QUERY_KEYS = {"cpu": ("cpu", "capacity"), "disk": ("disk", "capacity"), "policy": (None, "policy"),
+               "fsync": ("disk", "fsync")}
+
+
+class CacheClient(Protocol):
+    """What a connector needs from the cache service (embedded or remote)."""
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> int: ...
+
+    def load(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]: ...
+
+    def store(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int: ...
+
+    def stats(self) -> dict[str, dict[str, int]]: ...
+
+    def close(self) -> None: ...
+
+
+def local_config(url: str, base: Config | None = None) -> Config:
+    """Config of an embedded store for a ``local://`` URL."""
+    parts = urlsplit(url)
+    path = parts.path or str(default_cache_dir() / "store")
+    tiers: dict[str, dict] = {"disk": {"path": path, "capacity": "20GiB"}}
+    for key, values in parse_qs(parts.query).items():
+        if key not in _QUERY_KEYS:
+            raise ConfigError(f"cache URL {url!r}: unknown parameter {key!r} (known: {', '.join(_QUERY_KEYS)})")
+        tier, field = _QUERY_KEYS[key]
+        for t in ([tier] if tier else ["cpu", "disk"]):
+            tiers.setdefault(t, {})[field] = values[-1]
+    if base is None:
+        return load_config(overrides={"tiers": tiers})
+    return load_config(overrides={"tiers": tiers, "store": {"queue_full": base.store.queue_full}})
+
+
+def connect(url: str, config: Config | None = None) -> CacheClient | None:
+    """A client for `url`, or None for ``none``. Raises TierKVError for a
+    malformed URL and TierUnavailableError when the service cannot be used."""
+    scheme = urlsplit(url).scheme if "://" in url else url
+    if scheme in ("none", ""):
+        return None
+    if scheme == "local":
+        try:
+            return open_store(local_config(url, config))
+        except OSError as e:
+            raise TierUnavailableError(f"cannot open local cache at {urlsplit(url).path or 'default dir'}: {e}") from e
+    if scheme == "grpc":
+        from connectors.grpc_client import GrpcClient  # lazy: grpc only when a daemon is used
+
+        return GrpcClient(url)
+    raise TierKVError(f"cache URL {url!r}: scheme must be local://, grpc:// or none")

@@ -1,0 +1,121 @@
+"""Our engine through the real embedded store: KV loaded in a new process is
+bit-identical to computed KV, and answers do not change."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache_service.keys import chain_hashes, prefix_hashes
+from connectors.client import connect
+from connectors.engine import EngineConnector
+from engine import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+TEXT = ("The cache keeps keys and values of earlier prompts so that a long shared prefix is loaded, "
+        "not recomputed. ") * 6 + "Question: what does the cache keep?"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def cli(*args: str, env_extra: dict | None = None) -> dict:
+    """Run `tierkv generate ... --json` in a new process and parse its answer."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--json", *args],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def pages_of(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    """KV of the full pages of `tokens` in `llm`'s prefix cache, [L, 2, T, H, D]."""
+    pages = [llm.blocks.hash_to_page[h] for h in chain_hashes(llm.fingerprint, tokens, llm.page_size)]
+    return llm.kv_cache[:, :, pages].flatten(2, 3)
+
+
+def engine(url: str | None, dtype: str = "bfloat16", **kw) -> tuple[LLM, EngineConnector | None]:
+    llm = LLM("tiny-random", dtype=dtype, kv_cache_bytes=64 << 20, **kw)
+    conn = None
+    if url:
+        conn = EngineConnector(connect(url), llm.kv_namespace(16), llm.page_size)
+        llm.set_kv_connector(conn)
+    return llm, conn
+
+
+def test_kv_loaded_in_a_new_process_is_bit_identical_and_the_answer_unchanged(tmp_path):
+    url = f"local://{tmp_path}/store"
+    # a first process answers cold and offloads the prompt's blocks
+    cold = cli("--model", "tiny-random", "--prompt", TEXT, "--kv-connector", url, "--max-tokens", "12")
+    assert cold["cached_tokens"] == 0
+    # this process loads them: the whole block-aligned prefix, all from disk
+    llm, conn = engine(url)
+    prompt = llm.apply_chat_template([{"role": "user", "content": TEXT}])
+    warm = llm.generate([prompt], SamplingParams(max_tokens=12))[0]
+    aligned = (len(prompt) - 1) // 16 * 16
+    assert warm.num_cached_tokens == aligned == cold["prompt_tokens"] - 1 - (cold["prompt_tokens"] - 1) % 16
+    assert conn.stats.tier_hits.get("disk", 0) == aligned // 16
+    loaded = pages_of(llm, prompt[:aligned])
+    conn.close()
+    # a control engine without the service computes the same tokens' KV: bit-identical
+    ctl, _ = engine(None)
+    ctl.generate([prompt], SamplingParams(max_tokens=1))
+    computed = pages_of(ctl, prompt[:aligned])
+    assert torch.equal(loaded.view(torch.int16), computed.view(torch.int16))
+    # and the stored blocks are exactly that KV in the canonical layout
+    store = connect(url)
+    ns = llm.kv_namespace(16)
+    blocks = store.load(ns, prefix_hashes(ns, prompt[:aligned]))
+    assert torch.equal(torch.cat(blocks, dim=2).view(torch.int16), computed.view(torch.int16))
+    store.close()
+    # greedy output equals the control that splits the prefill at the same point (local prefix cache)
+    split, _ = engine(None)
+    split.generate([prompt[:aligned]], SamplingParams(max_tokens=1))
+    ctl_out = split.generate([prompt], SamplingParams(max_tokens=12))[0]
+    assert ctl_out.num_local_cached_tokens == aligned
+    assert warm.token_ids == ctl_out.token_ids == cold["token_ids"]
+
+
+def test_fp32_warm_equals_no_connector_and_corruption_is_recomputed(tmp_path):
+    url = f"local://{tmp_path}/store"
+    args = ("--model", "tiny-random", "--prompt", TEXT, "--dtype", "float32", "--max-tokens", "16")
+    # no connector at all, then cold and warm through the cache: one answer
+    none = cli(*args, "--kv-connector", "none")
+    cold = cli(*args, "--kv-connector", url)
+    warm = cli(*args, "--kv-connector", url)
+    assert warm["cached_tokens"] == (warm["prompt_tokens"] - 1) // 16 * 16 > 0
+    assert none["token_ids"] == cold["token_ids"] == warm["token_ids"]
+    # flip a bit in the third block's file: it is detected, the rest recomputed, same answer
+    llm, conn = engine(url, dtype="float32")
+    ns = llm.kv_namespace(16)
+    prompt = llm.apply_chat_template([{"role": "user", "content": TEXT}])
+    third = prefix_hashes(ns, prompt)[2]
+    path = conn.client.tiers[1].path_of(third)
+    conn.close()
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x20
+    path.write_bytes(bytes(data))
+    after = cli(*args, "--kv-connector", url)
+    assert after["cached_tokens"] == 2 * 16
+    assert after["token_ids"] == none["token_ids"]
+
+
+def test_unreachable_or_malformed_cache_urls(tmp_path):
+    # a daemon that does not answer: a warning, an answer without the cache, exit 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ok = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--model", "tiny-random", "--prompt", "hi",
+                         "--max-tokens", "2", "--kv-connector", "grpc://127.0.0.1:9"],
+                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert ok.returncode == 0 and "without the KV cache" in ok.stderr
+    # a malformed URL is a one-line error and a non-zero exit
+    bad = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--model", "tiny-random", "--prompt", "hi",
+                          "--kv-connector", "ftp://x"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("tierkv: error:") and "scheme" in bad.stderr
