@@ -119,3 +119,37 @@ def test_unreachable_or_malformed_cache_urls(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--model", "tiny-random", "--prompt", "hi",
                           "--kv-connector", "ftp://x"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("tierkv: error:") and "scheme" in bad.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_warm_matches_split_control_in_bf16_and_no_connector_in_fp32(tmp_path):
+    # the real model: a store filled by one engine, read by a fresh engine and a fresh store
+    question = "Summarize in one sentence: " + TEXT
+    for dtype in ("bfloat16", "float32"):
+        url = f"local://{tmp_path}/{dtype}"
+        first, conn = engine_for("smollm2", url, dtype)
+        prompt = first.apply_chat_template([{"role": "user", "content": question}])
+        cold = first.generate([prompt], SamplingParams(max_tokens=10))[0]
+        conn.close()
+        second, conn = engine_for("smollm2", url, dtype)
+        warm = second.generate([prompt], SamplingParams(max_tokens=10))[0]
+        conn.close()
+        aligned = (len(prompt) - 1) // 16 * 16
+        assert warm.num_cached_tokens == aligned
+        if dtype == "bfloat16":
+            # same split without the service: the engine's own prefix cache
+            split, _ = engine_for("smollm2", None, dtype)
+            split.generate([prompt[:aligned]], SamplingParams(max_tokens=1))
+            assert split.generate([prompt], SamplingParams(max_tokens=10))[0].token_ids == warm.token_ids
+        else:
+            # in fp32 the split does not change rounding: identical to no connector at all
+            assert warm.token_ids == cold.token_ids
+
+
+def engine_for(model: str, url: str | None, dtype: str) -> tuple[LLM, EngineConnector | None]:
+    llm = LLM(model, dtype=dtype, kv_cache_bytes=256 << 20)
+    conn = None
+    if url:
+        conn = EngineConnector(connect(url), llm.kv_namespace(16), llm.page_size)
+        llm.set_kv_connector(conn)
+    return llm, conn

@@ -1,4 +1,5 @@
 """`tierkv` CLI: clear one-line errors and non-zero exits on bad input."""
+import json
 import os
 import subprocess
 import sys
@@ -34,3 +35,20 @@ def test_human_output_has_the_answer_and_a_summary(tmp_path):
     r = run("generate", "--model", "tiny-random", "--prompt", "hello there", "--max-tokens", "4",
             "--kv-connector", f"local://{tmp_path}")
     assert r.returncode == 0 and r.stdout.strip() and "[tierkv] prompt" in r.stderr
+
+
+def test_chat_session_resumes_its_kv_in_later_processes(tmp_path):
+    # two chat turns in one process, typed on stdin
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    url = f"local://{tmp_path}/store"
+    chat = subprocess.run([sys.executable, "-m", "engine.cli", "chat", "--model", "tiny-random", "--session", "s1",
+                           "--kv-connector", url, "--max-tokens", "8"], input="hello there\nand what next?\n",
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stderr.count("[tierkv] prompt") == 2
+    # a later process continues the session: the earlier turns' KV is loaded, not recomputed
+    r = run("generate", "--model", "tiny-random", "--session", "s1", "--prompt", "one more question",
+            "--kv-connector", url, "--max-tokens", "4", "--json")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 0 and out["cached_tokens"] >= 32
+    assert out["prompt_tokens"] > out["cached_tokens"]
