@@ -45,6 +45,20 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* An int's value; a single-digit int (|v| < 2**30, every real token id) is
+ * read straight from the object on CPython < 3.12, whose layout we know. */
+static inline long token_value(PyObject *o) {
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyLong_CheckExact(o)) {
+        Py_ssize_t size = Py_SIZE(o);
+        if (size == 0) return 0;
+        if (size == 1) return (long)((PyLongObject *)o)->ob_digit[0];
+        if (size == -1) return -(long)((PyLongObject *)o)->ob_digit[0];
+    }
+#endif
+    return PyLong_AsLong(o);
+}
+
 /* chain_list(parent16, tokens: list[int], block_tokens) -> list[bytes]
  * Reads Python ints straight from the list (no intermediate array) and
  * returns one 16-byte bytes object per full block. Raises OverflowError for
@@ -68,7 +82,7 @@ static PyObject *chain_list(PyObject *self, PyObject *args) {
     memcpy(buf, parent.buf, 16);
     for (Py_ssize_t i = 0; out && buf && i < n; i++) {
         for (Py_ssize_t k = 0; k < bt; k++) {
-            long v = PyLong_AsLong(items[i * bt + k]);
+            long v = token_value(items[i * bt + k]);
             if ((v == -1 && PyErr_Occurred()) || v < INT32_MIN || v > INT32_MAX) {
                 if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "token ids must fit in int32");
                 Py_CLEAR(out);
