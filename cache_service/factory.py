@@ -2,16 +2,23 @@
 from __future__ import annotations
 
 import importlib
+import os
+import socket
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+import xxhash
 
 from cache_service.config import TIER_ORDER, Config, CpuConfig, DiskConfig, HbmConfig, TierConfig
 from cache_service.config import S3Config
 from cache_service.eviction import make_policy
+from cache_service.sessions import Manifests, S3Manifests, SessionStore, SharedSessionStore
 from cache_service.store import TieredStore
 from tiers.base import Tier
+
+if TYPE_CHECKING:
+    from tiers.redis_dir import RedisDirectory
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +72,39 @@ def open_store(cfg: Config) -> TieredStore:
     sections = [getattr(cfg.tiers, k) for k in kinds]
     tiers = [make_tier(k, c) for k, c in zip(kinds, sections)]
     policies = [make_policy(c.policy, _capacity_blocks(t)) for t, c in zip(tiers, sections)]
-    return TieredStore(tiers, policies, [c.write for c in sections], cfg.store)
+    directory = open_directory(cfg) if cfg.directory is not None else None
+    return TieredStore(tiers, policies, [c.write for c in sections], cfg.store, directory=directory)
+
+
+def open_directory(cfg: Config, node: bool = True) -> "RedisDirectory":
+    """The Redis directory of `cfg` (which must configure one). `node`: this
+    process holds blocks (registers, heartbeats); False: a reader."""
+    from tiers.redis_dir import RedisDirectory  # lazy: redis only when configured
+
+    d, s3, disk = cfg.directory, cfg.tiers.s3, cfg.tiers.disk
+    assert d is not None, "no [directory] configured"
+    # Default prefix: the bucket, so "in S3" in the directory means this deployment's S3.
+    prefix = d.prefix or (f"{s3.bucket}/{s3.prefix}" if s3 is not None else "tierkv")
+    node_id = d.node_id or socket.gethostname() + (
+        f"-{xxhash.xxh3_64_hexdigest(os.path.abspath(disk.path).encode())[:8]}" if disk is not None else "")
+    return RedisDirectory(url=d.url, cluster_nodes=d.cluster_nodes(), node_id=node_id if node else None,
+                          endpoint=d.endpoint, prefix=prefix, heartbeat_ttl_s=d.heartbeat_ttl_s,
+                          block_ttl_s=d.block_ttl_s, socket_timeout_s=d.socket_timeout_s,
+                          max_backoff_s=d.max_backoff_s)
+
+
+def open_sessions(cfg: Config, root: str | os.PathLike, store: Any = None) -> Manifests:
+    """Session manifests for `cfg`: local files under `root` without a
+    directory; with one, shared through Redis over a durable copy in S3 (or
+    under `root` when there is no S3 tier). Reuses `store`'s directory when it
+    has one."""
+    if cfg.directory is None:
+        return SessionStore(root)
+    durable: Manifests = S3Manifests(cfg.tiers.s3) if cfg.tiers.s3 is not None else SessionStore(root)
+    directory = getattr(store, "directory", None)
+    if directory is not None:
+        return SharedSessionStore(directory, durable)
+    return SharedSessionStore(open_directory(cfg, node=False), durable, owns_directory=True)
 
 
 def _capacity_blocks(tier: Tier) -> int:

@@ -29,8 +29,9 @@ import json
 import logging
 import os
 import re
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Sequence
 
@@ -72,8 +73,10 @@ class Session:
 
     @classmethod
     def from_json(cls, data: bytes | str, where: str) -> "Session":
+        """Parse a manifest; keys a newer version added are ignored."""
         try:
-            return cls(**json.loads(data))
+            raw = json.loads(data)
+            return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
         except (ValueError, TypeError) as e:
             raise SessionError(f"unreadable session manifest {where}: {e}") from None
 
@@ -94,6 +97,12 @@ def check_id(value: str, what: str = "session id") -> str:
     if not isinstance(value, str) or not _ID.match(value):
         raise SessionError(f"{what} {value!r} must be 1-128 of [A-Za-z0-9._-], not starting with . or -")
     return value
+
+
+def _check(session_id: str, tenant: str) -> None:
+    check_id(session_id)
+    if tenant:
+        check_id(tenant, "tenant")
 
 
 class SessionStore:
@@ -187,13 +196,15 @@ class S3Manifests:
 
         def ids() -> list[str]:
             pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
-            return [o["Key"][len(prefix):-5] for p in pages for o in p.get("Contents", ()) if o["Key"].endswith(".json")]
+            keys = (o["Key"] for p in pages for o in p.get("Contents", ()))
+            return [k[len(prefix):-len(".json")] for k in keys if k.endswith(".json")]
 
         return sorted(self._call(f"list {prefix}", ids))
 
     def delete(self, session_id: str, tenant: str = "") -> bool:
         key = self._key(tenant, session_id)
-        head = self._call(f"head {key}", lambda: self._client.head_object(Bucket=self.bucket, Key=key), "404", "NoSuchKey")
+        head = self._call(f"head {key}", lambda: self._client.head_object(Bucket=self.bucket, Key=key),
+                          "404", "NoSuchKey")
         self._call(f"delete {key}", lambda: self._client.delete_object(Bucket=self.bucket, Key=key))
         return head is not None
 
@@ -205,9 +216,10 @@ class SharedSessionStore:
     def __init__(self, directory: "RedisDirectory", durable: Manifests, owns_directory: bool = False) -> None:
         self.directory, self.durable, self._owns = directory, durable, owns_directory
         self._dirty: dict[tuple[str, str], None] = {}  # (tenant, id) Redis may hold stale
+        self._lock = threading.Lock()  # guards _dirty
 
     def get(self, session_id: str, tenant: str = "") -> Session | None:
-        check_id(session_id)
+        _check(session_id, tenant)
         self._repair()
         data = self.directory.get_manifest(tenant, session_id)
         if data is not None:
@@ -219,28 +231,34 @@ class SharedSessionStore:
 
     def put(self, s: Session) -> None:
         """Durable copy first (SessionError if that fails), then Redis."""
+        _check(s.session_id, s.tenant)
         self._repair()
         self.durable.put(s)
         self._to_redis(s)
 
     def _to_redis(self, s: Session) -> None:
         if not self.directory.put_manifest(s.tenant, s.session_id, s.to_json(), s.pinned_until):
-            self._dirty[(s.tenant, s.session_id)] = None
+            with self._lock:
+                self._dirty[(s.tenant, s.session_id)] = None
 
     def list(self, tenant: str = "") -> list[str]:
+        _check("x", tenant)
         self._repair()
         return sorted(set(self.directory.list_manifests(tenant) or ()) | set(self.durable.list(tenant)))
 
     def delete(self, session_id: str, tenant: str = "") -> bool:
+        _check(session_id, tenant)
         self._repair()
         existed = self.durable.delete(session_id, tenant)
         gone = self.directory.delete_manifest(tenant, session_id)
         if gone is None:
-            self._dirty[(tenant, session_id)] = None
+            with self._lock:
+                self._dirty[(tenant, session_id)] = None
         return existed or bool(gone)
 
     def pins(self, tenant: str = "") -> dict[str, float]:
         """Pinned sessions of a tenant: id -> until (epoch s)."""
+        _check("x", tenant)
         got = self.directory.pins(tenant)
         if got is None:  # Redis unusable: read the manifests
             now = time.time()
@@ -253,15 +271,20 @@ class SharedSessionStore:
             self.directory.close()
 
     def _repair(self) -> None:
-        """Replay writes that missed Redis (in order) once it answers."""
+        """Replay writes that missed Redis (in order) once it answers: the
+        durable copy as it is now, or a delete where there is none."""
         while self._dirty and self.directory.available:
-            tenant, sid = next(iter(self._dirty))
+            with self._lock:
+                if not self._dirty:
+                    return
+                tenant, sid = next(iter(self._dirty))
             s = self.durable.get(sid, tenant)
             ok = (self.directory.put_manifest(tenant, sid, s.to_json(), s.pinned_until) if s is not None
                   else self.directory.delete_manifest(tenant, sid) is not None)
             if not ok:
                 return
-            self._dirty.pop((tenant, sid), None)
+            with self._lock:
+                self._dirty.pop((tenant, sid), None)
 
 
 class TenantView:

@@ -16,6 +16,13 @@ caller never waits on slow storage.
 Locks: one per tier (guards its policy and membership changes), always taken
 top to bottom; objects handed to writers stay in an in-flight map, so a
 block stays visible to ``lookup`` and ``load`` while it moves down.
+
+Directory (optional, ``tiers/redis_dir.py``): blocks landing in a tier other
+nodes can see (this node's disk, S3) are published, evicted or deleted ones
+unpublished, both queued off the caller's path. A lookup asks it only about
+the blocks its own tiers miss, in one batch; a block the directory places in
+S3 counts as held, and ``load`` then reads it from S3 (the S3 tier asks S3
+for any block) and promotes it like any hit.
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ import math
 import threading
 import time
 from functools import partial
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
@@ -36,6 +43,9 @@ from cache_service.writer import Item, TierWriter
 from tiers.base import Tier
 from tiers.types import BlockHash, CapacityError, CorruptBlockError
 
+if TYPE_CHECKING:
+    from tiers.redis_dir import RedisDirectory
+
 log = logging.getLogger("tierkv.store")
 _COUNTERS = ("hits", "misses", "evictions", "corrupt", "promoted", "demoted", "dropped", "bypassed")
 
@@ -44,8 +54,13 @@ class TieredStore:
     """The block store; thread-safe. Build with `open_store(config)` or directly."""
 
     def __init__(self, tiers: Sequence[Tier], policies: Sequence[EvictionPolicy],
-                 write_modes: Sequence[str], cfg: StoreConfig | None = None) -> None:
+                 write_modes: Sequence[str], cfg: StoreConfig | None = None,
+                 directory: "RedisDirectory | None" = None) -> None:
         assert tiers and len(tiers) == len(policies) == len(write_modes)
+        self.directory = directory
+        # directory location of each tier (None: not visible to other nodes)
+        self._where = [directory.location_of(t.name) if directory else None for t in tiers]
+        self._reads_s3 = directory is not None and any(t.name == "s3" for t in tiers)
         self.cfg = cfg or StoreConfig()
         self.tiers = list(tiers)
         self.policies = list(policies)
@@ -61,6 +76,8 @@ class TieredStore:
         for pol, tier in zip(self.policies, self.tiers):
             for h in tier.keys():  # oldest first, so recency survives a restart
                 pol.insert(h)
+        if directory is not None:
+            directory.on_register(self._announce)
 
     # ------------------------------------------------------------------ queries
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
@@ -75,7 +92,17 @@ class TieredStore:
                 break
             for j, ok in zip(todo, tier.contains_many([hashes[j] for j in todo])):
                 held[j] = ok
-        return held.index(False) if False in held else len(held)
+        n = held.index(False) if False in held else len(held)
+        if n < len(held) and self._reads_s3:
+            n += self._directory_prefix(hashes[n:], held[n:])
+        return n
+
+    def _directory_prefix(self, hashes: Sequence[BlockHash], held: list[bool]) -> int:
+        """How many of `hashes` (past the first local miss) are held here or,
+        says the directory, in S3: one batched request for the misses."""
+        ask = [h for h, ok in zip(hashes, held) if not ok]
+        in_s3 = dict(zip(ask, self.directory.in_s3(ask)))
+        return next((k for k, (h, ok) in enumerate(zip(hashes, held)) if not ok and not in_s3[h]), len(hashes))
 
     def load(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Verified payloads ([layers, 2, block_tokens, kv_heads, head_dim]) per
@@ -145,6 +172,7 @@ class TieredStore:
             for (h, _), good in zip(todo, ok):
                 if good:
                     pol.insert(h)
+        self._publish(i, [h for (h, _), good in zip(todo, ok) if good])
         held = {h for h, _ in items} - {h for (h, _), good in zip(todo, ok) if not good}
         self._count(i, evictions=len(victims))
         self._demote(i, victims, "demoted")
@@ -163,6 +191,7 @@ class TieredStore:
                 break
             obj = tier.get_many([v])[0] if i + 1 < len(self.tiers) else None
             tier.delete_many([v])
+            self._publish(i, [v], present=False)
             if obj is not None:
                 victims.append((v, obj))
         try:
@@ -245,6 +274,7 @@ class TieredStore:
                 n += tier.delete_many(hashes)
                 for h in hashes:
                     self.policies[i].remove(h)
+            self._publish(i, hashes, present=False)
         return n
 
     def pin(self, hashes: Sequence[BlockHash], ttl_s: float | None = None) -> None:
@@ -271,7 +301,22 @@ class TieredStore:
         with self._locks[i]:
             self.tiers[i].quarantine([h])
             self.policies[i].remove(h)
+        self._publish(i, [h], present=False)
         self._count(i, corrupt=1)
+
+    def _publish(self, i: int, hashes: Sequence[BlockHash], present: bool = True) -> None:
+        """Tell the directory (queued, no I/O here) that tier i now holds, or
+        no longer holds, these blocks; a no-op for tiers only this node sees."""
+        where = self._where[i]
+        if where is not None and hashes:
+            (self.directory.publish if present else self.directory.unpublish)(where, hashes)
+
+    def _announce(self, redis_was_empty: bool) -> None:
+        """Directory callback on (re)registration: re-publish this node's
+        disk; after Redis lost its data, the S3 blocks this node knows too."""
+        for i, tier in enumerate(self.tiers):
+            if self._where[i] is not None and (tier.name != "s3" or redis_was_empty):
+                self._publish(i, tier.keys())
 
     def _touch(self, i: int, hashes: Sequence[BlockHash]) -> None:
         if hashes:
@@ -307,6 +352,8 @@ class TieredStore:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if w is not None and not w.flush(left):
                 return False
+        if self.directory is not None:  # publishing is best effort: an outage is not a flush failure
+            self.directory.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return True
 
     def close(self) -> None:
@@ -318,6 +365,8 @@ class TieredStore:
                 w.stop(1.0)
         for tier in self.tiers:
             tier.close()
+        if self.directory is not None:
+            self.directory.close()
 
     def __enter__(self) -> "TieredStore":
         return self

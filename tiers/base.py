@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 
+from tiers.counters import Counters
 from tiers.types import BlockHash
 
 
 @dataclass(slots=True)
-class TierStats:
+class TierStats(Counters):
     """Counters of one tier; the store adds hits/misses/evictions/corrupt."""
 
     hits: int = 0
@@ -33,15 +34,6 @@ class TierStats:
     used_bytes: int = 0
     capacity_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: int) -> None:
-        """Atomically add each named delta to its counter."""
-        with self.lock:
-            for k, v in deltas.items():
-                setattr(self, k, getattr(self, k) + v)
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lock"}
 
 
 class Tier(ABC):

@@ -25,13 +25,12 @@ construction; an endpoint unreachable at open is an outage (starts empty).
 
 Integrity is end to end: objects carry an xxh3 payload checksum the store
 verifies on load (``verify_payload``), so botocore's per-request checksums
-are left at "when required".
+are left at "when required". Request helpers live in ``tiers/s3_io.py``.
 """
 from __future__ import annotations
 
 import io
 import logging
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -44,37 +43,16 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
 
+from tiers import s3_io
 from tiers.base import Tier
-from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError, TierUnavailableError
+from tiers.s3_io import AUTH, MIB, MISSING, Throttled, error_code, looks_down, read_body, validate
+from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError
 
 log = logging.getLogger(__name__)
 
-MIB = 1 << 20
-_MIN_PART = 5 * MIB  # S3's smallest multipart part
-_MISSING = {"404", "NoSuchKey", "NotFound"}
-_AUTH = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
 _MAX_FOREIGN = 1 << 20  # blocks remembered from other nodes (oldest forgotten first)
 _DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 limit)
 T = TypeVar("T")
-
-
-class _Throttled:
-    """A logger that emits at most one warning per `every_s`, counting the rest."""
-
-    def __init__(self, every_s: float = 10.0) -> None:
-        self.every_s = every_s
-        self._next = 0.0
-        self._suppressed = 0
-        self._lock = threading.Lock()
-
-    def warn(self, msg: str, *args: object) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now < self._next:
-                self._suppressed += 1
-                return
-            skipped, self._suppressed, self._next = self._suppressed, 0, now + self.every_s
-        log.warning(msg + (f" (+{skipped} similar suppressed)" if skipped else ""), *args)
 
 
 class S3Tier(Tier):
@@ -95,8 +73,8 @@ class S3Tier(Tier):
                  addressing_style: str = "path", max_concurrency: int = 8,
                  multipart_threshold: int = 8 * MIB, connect_timeout: float = 2.0,
                  read_timeout: float = 10.0, retries: int = 2, retry_after_s: float = 2.0) -> None:
-        _validate(bucket, prefix, addressing_style, max_concurrency, multipart_threshold,
-                  connect_timeout, read_timeout, retries, capacity_bytes)
+        validate(bucket, prefix, addressing_style, max_concurrency, multipart_threshold,
+                 connect_timeout, read_timeout, retries, capacity_bytes)
         super().__init__(capacity_bytes)
         self.bucket, self.prefix = bucket, prefix
         self.retry_after_s = retry_after_s
@@ -121,7 +99,7 @@ class S3Tier(Tier):
         self._down_until = 0.0
         self._ready = False  # bucket checked/created
         self._closed = False
-        self._warn = _Throttled()
+        self._warn = Throttled(log)
         self._open()
 
     # -- opening ----------------------------------------------------------------
@@ -136,7 +114,7 @@ class S3Tier(Tier):
         try:
             self._ensure_bucket()
         except (BotoCoreError, ClientError) as e:
-            if _code(e) in _AUTH or isinstance(e, ParamValidationError):
+            if error_code(e) in AUTH or isinstance(e, ParamValidationError):
                 raise ConfigError(f"s3 tier: bucket {self.bucket!r}: {e}") from None
             log.warning("s3 tier: %s unreachable at open (%s); starting empty", self.bucket, e)
             self._trip()
@@ -149,35 +127,16 @@ class S3Tier(Tier):
             self.stats.add(blocks=len(self._index), used_bytes=self._used)
 
     def _ensure_bucket(self) -> None:
-        try:
-            self._client.head_bucket(Bucket=self.bucket)
-        except ClientError as e:
-            if _code(e) not in _MISSING and _code(e) != "NoSuchBucket":
-                raise
-            region = self._client.meta.region_name
-            where = {} if region == "us-east-1" else {
-                "CreateBucketConfiguration": {"LocationConstraint": region}}
-            try:
-                self._client.create_bucket(Bucket=self.bucket, **where)
-            except ClientError as e2:
-                if _code(e2) != "BucketAlreadyOwnedByYou":  # another node won the race
-                    raise
+        s3_io.ensure_bucket(self._client, self.bucket)
         self._ready = True
 
     def _list(self) -> dict[BlockHash, tuple[int, int]]:
         """hash -> (size, last-modified ns) of every block under the prefix; a
         listing cut short by a failure keeps what it got."""
         found: dict[BlockHash, tuple[int, int]] = {}
-        pattern = re.compile(re.escape(self.prefix) + r"/([0-9a-f]{2})/([0-9a-f]{32})")
         try:
-            pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self.prefix + "/")
-            for page in pages:
-                for o in page.get("Contents", ()):
-                    m = pattern.fullmatch(o["Key"])
-                    if m and m.group(2).startswith(m.group(1)):
-                        mtime = int(o["LastModified"].timestamp() * 1e9)
-                        found[BlockHash(bytes.fromhex(m.group(2)))] = (o["Size"], mtime)
+            for h, size, mtime in s3_io.list_blocks(self._client, self.bucket, self.prefix):
+                found[h] = (size, mtime)
         except (BotoCoreError, ClientError) as e:
             self._fail("list", self.prefix, e)
         return found
@@ -273,7 +232,7 @@ class S3Tier(Tier):
             self._fail("delete", f"{len(keys)} keys", e)
             self.stats.add(errors=len(keys) - 1)
             return
-        failed = [err for err in resp.get("Errors", ()) if err.get("Code") not in _MISSING]
+        failed = [err for err in resp.get("Errors", ()) if err.get("Code") not in MISSING]
         if failed:
             self.stats.add(errors=len(failed))
             self._warn.warn("s3 tier: %d deletes failed, first: %s", len(failed), failed[0])
@@ -304,7 +263,7 @@ class S3Tier(Tier):
                 self._client.copy_object(Bucket=self.bucket, Key=dst,
                                          CopySource={"Bucket": self.bucket, "Key": self.key_of(h)})
             except (BotoCoreError, ClientError) as e:
-                if _code(e) not in _MISSING:
+                if error_code(e) not in MISSING:
                     self._fail("quarantine", h.hex(), e)
         self.delete_many(hashes)
 
@@ -326,9 +285,9 @@ class S3Tier(Tier):
             return None
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=self.key_of(h))
-            buf = _read_body(resp)
+            buf = read_body(resp)
         except (BotoCoreError, ClientError, OSError, urllib3.exceptions.HTTPError) as e:
-            if _code(e) in _MISSING:
+            if error_code(e) in MISSING:
                 with self._lock:  # deleted by another node
                     self._forget([h])
             else:
@@ -359,23 +318,7 @@ class S3Tier(Tier):
         """Install (or replace) a bucket lifecycle rule expiring objects under
         this prefix `days` after they were written; other rules are kept.
         Raises TierUnavailableError if S3 refuses."""
-        if days <= 0:
-            raise ConfigError(f"s3 tier: expiration days must be positive, got {days}")
-        rule_id = f"tierkv-expire-{self.prefix}"
-        try:
-            try:
-                rules = self._client.get_bucket_lifecycle_configuration(Bucket=self.bucket)["Rules"]
-            except ClientError as e:
-                if _code(e) != "NoSuchLifecycleConfiguration":
-                    raise
-                rules = []
-            rules = [r for r in rules if r.get("ID") != rule_id] + [{
-                "ID": rule_id, "Filter": {"Prefix": self.prefix + "/"}, "Status": "Enabled",
-                "Expiration": {"Days": days}}]
-            self._client.put_bucket_lifecycle_configuration(
-                Bucket=self.bucket, LifecycleConfiguration={"Rules": rules})
-        except (BotoCoreError, ClientError) as e:
-            raise TierUnavailableError(f"s3 tier: cannot set lifecycle on {self.bucket}: {e}") from None
+        s3_io.set_expiration(self._client, self.bucket, self.prefix, days)
 
     def close(self) -> None:
         with self._lock:
@@ -410,8 +353,7 @@ class S3Tier(Tier):
         """Count and log a failed request; leave S3 alone for a while if it
         looks down (transport failure or 5xx) rather than wrong for one key."""
         self.stats.add(errors=1)
-        code = _code(e)
-        if not isinstance(e, ClientError) or code.startswith("5") or code in ("SlowDown", "ServiceUnavailable"):
+        if looks_down(e):
             self._trip()
         self._warn.warn("s3 tier: %s %s failed: %s", op, what, e)
 
@@ -428,48 +370,3 @@ class S3Tier(Tier):
         if self._closed:
             raise TierKVError(f"s3 tier {self.bucket}/{self.prefix} is closed")
 
-
-def _read_body(resp: dict) -> torch.Tensor:
-    """The response body read straight into a preallocated tensor; OSError if
-    the stream ends before Content-Length bytes."""
-    n = resp["ContentLength"]
-    buf = torch.empty(n, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
-    body = resp["Body"]
-    raw = body._raw_stream  # the urllib3 response: readinto, no bytes object of the whole body
-    try:
-        got = 0
-        while got < n:
-            k = raw.readinto(view[got:])
-            if not k:
-                raise OSError(f"body ended after {got} of {n} bytes")
-            got += k
-    finally:
-        body.close()
-    return buf
-
-
-def _code(e: Exception) -> str:
-    if isinstance(e, ClientError):
-        err = e.response.get("Error", {})
-        return str(err.get("Code") or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-    return ""
-
-
-def _validate(bucket: str, prefix: str, addressing_style: str, max_concurrency: int,
-              multipart_threshold: int, connect_timeout: float, read_timeout: float,
-              retries: int, capacity_bytes: int) -> None:
-    """Constructor arguments, checked before any request (ConfigError names the bad one)."""
-    checks = [
-        (bool(re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket or "")), f"bucket name {bucket!r}"),
-        (bool(prefix) and not prefix.startswith("/") and not prefix.endswith("/"), f"prefix {prefix!r}"),
-        (addressing_style in ("path", "virtual", "auto"), f"addressing_style {addressing_style!r}"),
-        (max_concurrency >= 1, f"max_concurrency {max_concurrency}"),
-        (multipart_threshold >= _MIN_PART, f"multipart_threshold {multipart_threshold} (S3 needs >= 5 MiB)"),
-        (connect_timeout > 0 and read_timeout > 0, f"timeouts {connect_timeout}/{read_timeout}"),
-        (retries >= 0, f"retries {retries}"),
-        (capacity_bytes > 0, f"capacity_bytes {capacity_bytes}"),
-    ]
-    for ok, what in checks:
-        if not ok:
-            raise ConfigError(f"s3 tier: invalid {what}")

@@ -59,6 +59,8 @@ def _cluster_answers(nodes: str) -> bool:
         info = redis.Redis(host=host, port=int(port), socket_timeout=2, socket_connect_timeout=2).cluster("info")
     except redis.RedisError:
         return False
+    if isinstance(info, dict):  # redis-py parses CLUSTER INFO into a dict
+        return info.get("cluster_state") == "ok"
     return "cluster_state:ok" in str(info)
 
 

@@ -1,0 +1,384 @@
+"""`GrpcClient`: the `CacheClient` of the standalone daemon (``grpc://host:port``).
+
+Same semantics as an embedded `TieredStore`: ``lookup`` returns the held
+prefix length, ``load`` verified payloads or None per block, ``store`` the
+number of blocks new to the top tier. Argument errors (mismatched lengths,
+wrong payload sizes) raise ValueError before anything is sent, exactly as
+the store does.
+
+Failure policy: a daemon that cannot be reached (or refuses the token) at
+construction raises `TierUnavailableError`, so the CLI can run without a
+cache. Once running, a failed lookup/load is a miss and a failed store is a
+dropped store; both are logged (rate-limited) and counted in ``errors``,
+never raised into the engine. Admin calls (stats, pin, sessions, ...) raise
+`TierUnavailableError` instead, since their caller wants to know.
+
+URL: ``grpc://host:port?transport=auto|shm|stream&tls=1&ca=/ca.pem&timeout=30``
+(add ``cert=/client.pem&key=/client.key`` for a daemon that wants client certificates).
+``transport=auto`` (default) uses shared memory when the daemon runs on this
+host and can map a segment this process creates (cache_service/shm.py), else
+streams bytes. The token comes from the ``token`` argument or ``TIERKV_TOKEN``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from functools import lru_cache
+from typing import Sequence
+from urllib.parse import parse_qs, urlsplit
+
+import grpc
+import torch
+
+from cache_service.auth import channel_credentials
+from cache_service.keys import Namespace
+from cache_service.sessions import Session, SessionError
+from cache_service.shm import Segment, host_id
+from cache_service.wire import (BlockSink, as_payload, byte_view, check_payloads, iter_chunks, ns_to_pb,
+                                session_from_pb, session_to_pb, stats_from_pb)
+from proto import tierkv_pb2 as pb
+from proto import tierkv_pb2_grpc as pb_grpc
+from tiers.types import BlockHash, TierKVError, TierUnavailableError
+
+log = logging.getLogger("tierkv.client")
+TRANSPORTS = ("auto", "shm", "stream")
+_RECEIVE_LIMIT = 256 << 20  # accept any message size a daemon may be configured for
+# answers given before the daemon touches a segment: the segment stays usable
+_REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      grpc.StatusCode.PERMISSION_DENIED})
+
+
+@lru_cache(maxsize=64)
+def _ns(ns: Namespace) -> pb.Namespace:
+    return ns_to_pb(ns)
+
+
+class _ProtocolError(TierKVError):
+    """The daemon answered something this client does not understand."""
+
+
+class GrpcClient:
+    """Client of one daemon; thread-safe."""
+
+    def __init__(self, url: str, token: str | None = None, *, transport: str | None = None,
+                 tls_ca: str | None = None, timeout_s: float | None = None, connect_timeout_s: float = 5.0,
+                 shm_bytes: int = 64 << 20) -> None:
+        parts = urlsplit(url)
+        q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        if parts.scheme != "grpc" or not parts.hostname or not parts.port:
+            raise TierKVError(f"cache URL {url!r}: expected grpc://host:port")
+        self.url, self.target = url, f"{parts.hostname}:{parts.port}"
+        try:
+            self.timeout_s = float(timeout_s or q.get("timeout", 30.0))
+        except ValueError:
+            raise TierKVError(f"cache URL {url!r}: timeout must be a number of seconds") from None
+        self.errors = 0
+        token = token or os.environ.get("TIERKV_TOKEN")
+        self._md = (("authorization", f"Bearer {token}"),) if token else ()
+        # reconnect within seconds after a daemon restart (grpc's default backoff grows to 2 minutes)
+        options = [("grpc.max_receive_message_length", _RECEIVE_LIMIT), ("grpc.max_reconnect_backoff_ms", 5000)]
+        tls_ca = tls_ca or q.get("ca") or os.environ.get("TIERKV_TLS_CA")
+        if q.get("tls", "0") not in ("0", "") or tls_ca:
+            creds = channel_credentials(tls_ca, q.get("cert"), q.get("key"))  # cert+key: mutual TLS
+            self._channel = grpc.secure_channel(self.target, creds, options)
+        else:
+            self._channel = grpc.insecure_channel(self.target, options)
+        self._stub = pb_grpc.TierKVStub(self._channel)
+        self._shm: Segment | None = None
+        self._shm_bytes, self._retry_at = 0, 0.0  # segment size to re-attach; when to try
+        self._attachment = ""
+        self._shm_lock = threading.Lock()
+        self._last_log: dict[str, float] = {}
+        self.sessions = RemoteSessions(self)
+        try:
+            self.hello = self._hello(connect_timeout_s)
+            self.transport = self._pick(transport or q.get("transport", "auto"), shm_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------ setup
+    def _hello(self, timeout_s: float) -> pb.HelloReply:
+        # fails fast on a refused connection: an engine starts without the cache, not after a wait
+        try:
+            return self._stub.Hello(pb.HelloRequest(), timeout=timeout_s, metadata=self._md)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise TierUnavailableError(f"cannot reach the tierkv daemon at {self.target}: {_why(e)}") from None
+            raise TierUnavailableError(f"tierkv daemon at {self.target} refused Hello: {_why(e)}") from None
+
+    def _pick(self, transport: str, shm_bytes: int) -> str:
+        if transport not in TRANSPORTS:
+            raise TierKVError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
+        if transport == "stream":
+            return "stream"
+        if self.hello.host_id != host_id():
+            if transport == "shm":
+                raise TierUnavailableError(f"daemon at {self.target} runs on another host: no shared memory")
+            return "stream"
+        try:
+            self._attach(shm_bytes)
+            self._shm_bytes = shm_bytes
+            return "shm"
+        except (OSError, grpc.RpcError) as e:
+            if transport == "shm":
+                raise TierUnavailableError(f"shared memory with {self.target} failed: {_why(e)}") from None
+            log.info("shared memory with %s unavailable (%s); streaming bytes", self.target, _why(e))
+            return "stream"
+
+    def _attach(self, nbytes: int) -> None:
+        seg = Segment(nbytes)
+        try:
+            reply = self._stub.Attach(pb.AttachRequest(name=seg.name, nonce=seg.nonce),
+                                      timeout=self.timeout_s, metadata=self._md)
+        except BaseException:
+            seg.close()
+            raise
+        seg.unlink()  # the daemon maps it now; no name left behind if anyone dies
+        self._shm, self._attachment = seg, reply.attachment
+
+    def _drop_segment(self) -> None:
+        """Stop using the segment: the daemon forgot it (restart) or may still
+        be writing into it (a call that timed out). A new one is attached on
+        a later call (`_segment`)."""
+        with self._shm_lock:
+            old, self._shm = self._shm, None
+            if old is not None:
+                old.close()
+                self._retry_at, self.transport = time.monotonic(), "stream"
+
+    def _segment(self) -> Segment | None:
+        """The attached segment; re-attaches a dropped one, at most every 10 s."""
+        if self._shm is None and self._shm_bytes and time.monotonic() >= self._retry_at:
+            with self._shm_lock:
+                if self._shm is None:
+                    try:
+                        self._attach(self._shm_bytes)
+                        self.transport = "shm"
+                    except (OSError, grpc.RpcError):
+                        self._retry_at = time.monotonic() + 10.0
+        return self._shm
+
+    def call(self, name: str, request, timeout_s: float | None = None):
+        """One unary RPC with this client's token and timeout (raises grpc.RpcError)."""
+        return getattr(self._stub, name)(request, timeout=timeout_s or self.timeout_s, metadata=self._md)
+
+    def admin(self, name: str, request, invalid: type[TierKVError] = TierKVError):
+        """A unary RPC whose failure the caller should see: `invalid` for a
+        refused argument, TierUnavailableError for anything else."""
+        try:
+            return self.call(name, request)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise invalid(f"tierkv daemon at {self.target}: {name}: {e.details()}") from None
+            raise TierUnavailableError(f"tierkv daemon at {self.target}: {name} failed: {_why(e)}") from None
+
+    def _failed(self, what: str, e: Exception, shm: bool = False) -> None:
+        if shm and not (isinstance(e, grpc.RpcError) and e.code() in _REFUSED):
+            self._drop_segment()
+        self.errors += 1
+        now = time.monotonic()
+        if now - self._last_log.get(what, -1e9) >= 10.0:  # at most one line per op per 10 s
+            self._last_log[what] = now
+            log.warning("tierkv daemon %s: %s failed (%s); continuing without it", self.target, what, _why(e))
+
+    def _shm_room(self, ns: Namespace) -> int:
+        """Bytes of the shared-memory segment when it can carry this namespace's blocks, else 0."""
+        seg = self._segment()
+        return seg.data_bytes if seg is not None and ns.payload_bytes <= seg.data_bytes else 0
+
+    def _batches(self, n: int, block_bytes: int, room: int) -> list[range]:
+        per = max(1, min(self.hello.max_blocks, room // max(block_bytes, 1)))
+        return [range(i, min(n, i + per)) for i in range(0, n, per)]
+
+    # ------------------------------------------------------------ CacheClient
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        """Length of the longest prefix the daemon holds (0 on failure)."""
+        held = 0
+        try:
+            for r in self._batches(len(hashes), 1, self.hello.max_blocks):
+                got = self.call("Lookup", pb.LookupRequest(hashes=list(hashes[r.start:r.stop]))).blocks
+                held += got
+                if got < len(r):
+                    break
+        except grpc.RpcError as e:
+            self._failed("lookup", e)
+            return 0
+        return held
+
+    def load(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        """Verified payloads per hash, None for a miss (and for every block of a failed call)."""
+        out: list[torch.Tensor | None] = [None] * len(hashes)
+        shm = self._shm_room(ns)
+        for r in self._batches(len(hashes), ns.payload_bytes, shm or 1 << 62):  # the daemon batches streamed reads
+            h = hashes[r.start:r.stop]
+            try:
+                got = self._load_shm(ns, h) if shm else self._load_stream(ns, h)
+            except (grpc.RpcError, _ProtocolError) as e:
+                self._failed("load", e, bool(shm))
+                break
+            out[r.start:r.stop] = got
+        return out
+
+    def store(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
+        """Send blocks to the daemon; returns how many were new to its top tier (0 for a failed call)."""
+        check_payloads(ns, hashes, payloads)
+        shm = self._shm_room(ns)
+        stored = 0
+        for r in self._batches(len(hashes), ns.payload_bytes, min(self.hello.max_request_bytes, shm or 1 << 62)):
+            h, p = hashes[r.start:r.stop], payloads[r.start:r.stop]
+            try:
+                stored += self._store_shm(ns, h, p) if shm else self._store_stream(ns, h, p)
+            except grpc.RpcError as e:
+                self._failed("store", e, bool(shm))
+                break
+        return stored
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """The daemon store's per-tier counters (TieredStore.stats() shape)."""
+        return stats_from_pb(self.admin("Stats", pb.StatsRequest()))
+
+    def daemon_stats(self) -> dict[str, int]:
+        return dict(self.admin("Stats", pb.StatsRequest()).daemon)
+
+    def delete(self, hashes: Sequence[BlockHash], ns: Namespace | None = None) -> int:
+        req = pb.BlocksRequest(hashes=list(hashes), ns=_ns(ns) if ns else None)
+        return self.admin("Delete", req).removed
+
+    def pin(self, hashes: Sequence[BlockHash], ttl_s: float | None = None, ns: Namespace | None = None) -> None:
+        self.admin("Pin", pb.PinRequest(hashes=list(hashes), ttl_s=ttl_s or 0.0, ns=_ns(ns) if ns else None))
+
+    def unpin(self, hashes: Sequence[BlockHash], ns: Namespace | None = None) -> None:
+        self.admin("Unpin", pb.BlocksRequest(hashes=list(hashes), ns=_ns(ns) if ns else None))
+
+    def close(self) -> None:
+        self._shm_bytes = 0  # no re-attaching after this
+        seg, self._shm = self._shm, None
+        if seg is not None:
+            try:
+                self.call("Detach", pb.DetachRequest(attachment=self._attachment), timeout_s=2.0)
+            except grpc.RpcError:
+                pass  # the daemon reaps idle attachments itself
+            seg.close()
+        self._channel.close()
+
+    def __enter__(self) -> "GrpcClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ data paths
+    def _load_shm(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        P = ns.payload_bytes
+        with self._shm_lock:
+            if self._shm is None:  # lost meanwhile (see _drop_segment)
+                return self._load_stream(ns, hashes)
+            req = pb.ShmRequest(ns=_ns(ns), hashes=list(hashes), attachment=self._attachment)
+            sizes = list(self.call("LoadShm", req).sizes)
+            _check_sizes(sizes, len(hashes), P)
+            data = self._shm.data
+            blocks = [torch.empty(P, dtype=torch.uint8).copy_(data[i * P: (i + 1) * P])
+                      for i in range(sum(1 for s in sizes if s))]
+        return _place(blocks, sizes, ns)
+
+    def _store_shm(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
+        P = ns.payload_bytes
+        with self._shm_lock:
+            if self._shm is None:
+                return self._store_stream(ns, hashes, payloads)
+            data = self._shm.data
+            for i, p in enumerate(payloads):
+                data[i * P: (i + 1) * P].copy_(p.detach().reshape(-1).view(torch.uint8))
+            req = pb.ShmRequest(ns=_ns(ns), hashes=list(hashes), attachment=self._attachment)
+            return self.call("StoreShm", req).stored
+
+    def _load_stream(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        P, out = ns.payload_bytes, []
+        sizes: list[int] = []
+        sink: BlockSink | None = None
+        for msg in self._stub.Load(pb.LoadRequest(ns=_ns(ns), hashes=list(hashes)),
+                                   timeout=self.timeout_s, metadata=self._md):
+            if msg.sizes:  # a new group: the previous one must be complete
+                if sink is not None:
+                    out += _finish(sink, sizes, ns)
+                sizes = list(msg.sizes)
+                _check_sizes(sizes, len(sizes), P)
+                sink = BlockSink(sum(1 for s in sizes if s), P)
+            if msg.data and (sink is None or not sink.write(msg.data)):
+                raise _ProtocolError("Load: more payload bytes than announced")
+        if sink is not None:
+            out += _finish(sink, sizes, ns)
+        if len(out) != len(hashes):
+            raise _ProtocolError(f"Load: {len(out)} answers for {len(hashes)} hashes")
+        return out
+
+    def _store_stream(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
+        chunk = self.hello.chunk_bytes
+
+        def requests():
+            chunks = iter_chunks((byte_view(p) for p in payloads), chunk)
+            yield pb.StoreChunk(ns=_ns(ns), hashes=list(hashes), data=next(chunks, b""))
+            for data in chunks:
+                yield pb.StoreChunk(data=data)
+
+        return self._stub.Store(requests(), timeout=self.timeout_s, metadata=self._md).stored
+
+
+def _why(e: Exception) -> str:
+    return f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+
+
+def _check_sizes(sizes: Sequence[int], n: int, payload_bytes: int) -> None:
+    if len(sizes) != n or any(s not in (0, payload_bytes) for s in sizes):
+        raise _ProtocolError(f"daemon announced sizes {list(sizes)[:8]}... for {n} blocks of {payload_bytes} bytes")
+
+
+def _place(blocks: Sequence[torch.Tensor], sizes: Sequence[int], ns: Namespace) -> list[torch.Tensor | None]:
+    """The hits' buffers at their positions as payload views, None for misses."""
+    hits = iter(blocks)
+    return [as_payload(next(hits), ns) if s else None for s in sizes]
+
+
+def _finish(sink: BlockSink, sizes: Sequence[int], ns: Namespace) -> list[torch.Tensor | None]:
+    if not sink.full:
+        raise _ProtocolError(f"Load: {sink.total - sink.received} payload bytes missing from a group")
+    return _place(sink.blocks, sizes, ns)
+
+
+class RemoteSessions:
+    """The daemon's session manifests, with the `SessionStore` interface
+    (get/put/list/delete) plus `resume`. With auth on the token's tenant is
+    used and `tenant` arguments must be empty or equal to it."""
+
+    def __init__(self, client: GrpcClient) -> None:
+        self._client = client
+
+    def _call(self, name: str, request):
+        return self._client.admin(name, request, invalid=SessionError)
+
+    def get(self, session_id: str, tenant: str = "") -> Session | None:
+        return self.resume(session_id, tenant)[0]
+
+    def resume(self, session_id: str, tenant: str = "", ns: Namespace | None = None) -> tuple[Session | None, int]:
+        """(manifest or None, blocks of its token prefix the daemon holds; 0 without `ns`)."""
+        req = pb.ResumeSessionRequest(session_id=session_id, tenant=tenant, ns=_ns(ns) if ns else None)
+        reply = self._call("ResumeSession", req)
+        return (session_from_pb(reply.session) if reply.found else None), reply.cached_blocks
+
+    def put(self, s: Session, ns: Namespace | None = None, pin: bool = False, pin_ttl_s: float | None = None) -> None:
+        """Save the manifest durably; with `pin` (needs `ns`) pin its blocks."""
+        req = pb.SaveSessionRequest(session=session_to_pb(s), ns=_ns(ns) if ns else None, pin=pin,
+                                    pin_ttl_s=pin_ttl_s or 0.0)
+        saved = self._call("SaveSession", req).session
+        s.tenant, s.updated_s = saved.tenant, saved.updated_s
+
+    def list(self, tenant: str = "") -> list[str]:
+        return list(self._call("ListSessions", pb.ListSessionsRequest(tenant=tenant)).session_ids)
+
+    def delete(self, session_id: str, tenant: str = "", ns: Namespace | None = None) -> bool:
+        """Remove the manifest; with `ns`, unpin its blocks too."""
+        req = pb.DeleteSessionRequest(session_id=session_id, tenant=tenant, ns=_ns(ns) if ns else None)
+        return self._call("DeleteSession", req).deleted

@@ -1,0 +1,488 @@
+"""The gRPC daemon in-process (a real grpc server on a free port) and its client."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from cache_service.auth import load_tokens, tenant_keys
+from cache_service.daemon import Daemon
+from cache_service.keys import prefix_hashes
+from cache_service.metrics import StructuredFormatter
+from cache_service.server import ServerSettings
+from cache_service.sessions import Session
+from cache_service.shm import Segment
+from cache_service.wire import ns_to_pb
+from connectors.grpc_client import GrpcClient
+from proto import tierkv_pb2 as pb
+from proto import tierkv_pb2_grpc as pb_grpc
+from tests.cache_service.store_helpers import NS, hashes, make_store, payload_for, same
+from tiers.types import ConfigError, TierUnavailableError
+
+P = NS.payload_bytes
+TOKENS = {"acme": "acme-token-0123456789", "globex": "globex-token-0123456789"}
+Code = grpc.StatusCode
+
+
+@pytest.fixture
+def start(tmp_path):
+    """Start daemons over fresh stores; all are stopped at the end."""
+    daemons = []
+
+    def _start(cpu_blocks: int = 64, disk: bool = True, auth: bool = False, **settings) -> Daemon:
+        if auth:
+            (tmp_path / "tokens.txt").write_text("".join(f"{t} {n}\n" for n, t in TOKENS.items()))
+            settings["token_file"] = str(tmp_path / "tokens.txt")
+        store = make_store(tmp_path / f"store{len(daemons)}", cpu_blocks=cpu_blocks, disk_blocks=4096 if disk else None)
+        settings.setdefault("listen", "127.0.0.1:0")
+        s = ServerSettings(sessions_dir=str(tmp_path / "sessions"), **settings)
+        daemons.append(Daemon(store, s).start())
+        return daemons[-1]
+
+    yield _start
+    for d in daemons:
+        d.stop(grace_s=0)
+
+
+def url(d: Daemon, transport: str = "auto") -> str:
+    return f"grpc://{d.address}?transport={transport}"
+
+
+def raw(d: Daemon):
+    return pb_grpc.TierKVStub(grpc.insecure_channel(d.address))
+
+
+def bearer(tenant: str) -> tuple:
+    return (("authorization", f"Bearer {TOKENS[tenant]}"),)
+
+
+def code_of(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    return e.value.code(), e.value.details()
+
+
+def put(client: GrpcClient, hs) -> int:
+    return client.store(NS, hs, [payload_for(h) for h in hs])
+
+
+def intact(client: GrpcClient, hs) -> bool:
+    return all(p is not None and same(p, payload_for(h)) for p, h in zip(client.load(NS, hs), hs))
+
+
+def scrape(d: Daemon) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+# ------------------------------------------------------------------ data paths
+@pytest.mark.parametrize("transport", ["shm", "stream"])
+def test_round_trip_through_each_transport(start, transport):
+    d = start()
+    with GrpcClient(url(d, transport)) as c:
+        assert c.transport == transport
+        hs = hashes(10)
+        # store eight blocks; the daemon holds that prefix
+        assert put(c, hs[:8]) == 8
+        assert c.lookup(hs) == 8
+        # load returns the same bytes, None past the stored prefix
+        out = c.load(NS, hs)
+        assert intact(c, hs[:8]) and out[8:] == [None, None]
+        assert out[0].shape == NS.block_shape and out[0].dtype == torch.bfloat16
+        # storing again is not new to the top tier
+        assert put(c, hs[:8]) == 0
+        assert c.stats()["cpu"]["hits"] >= 16
+
+
+@pytest.mark.parametrize("transport", ["shm", "stream"])
+def test_batches_larger_than_a_message_or_segment(start, transport):
+    # tiny chunks, read groups and segment: every batch boundary is crossed
+    d = start(cpu_blocks=128, chunk_bytes=1000, load_batch_bytes=3 * P)
+    with GrpcClient(url(d, transport), shm_bytes=5 * P) as c:
+        hs = hashes(40)
+        assert put(c, hs) == 40
+        assert c.lookup(hs) == 40 and intact(c, hs)
+        # misses interleaved with hits keep their positions
+        mixed = [hs[0], *hashes(2, start=9000), hs[39]]
+        assert [p is not None for p in c.load(NS, mixed)] == [True, False, False, True]
+
+
+def test_auto_falls_back_to_streaming_when_the_daemon_cannot_map_the_segment(start, tmp_path):
+    # a daemon looking in another shm directory behaves like one on another host
+    (tmp_path / "elsewhere").mkdir()
+    d = start(shm_dir=str(tmp_path / "elsewhere"))
+    with GrpcClient(url(d, "auto")) as c:
+        assert c.transport == "stream"
+        assert put(c, hashes(3)) == 3 and intact(c, hashes(3))
+    with pytest.raises(TierUnavailableError, match="shared memory"):
+        GrpcClient(url(d, "shm"))
+    # auto on the same host, shared /dev/shm: the fast path
+    with GrpcClient(url(start(), "auto")) as c:
+        assert c.transport == "shm"
+
+
+def test_delete_and_pins(start):
+    d = start(cpu_blocks=16, disk=False)
+    with GrpcClient(url(d)) as c:
+        keep, rest = hashes(4), hashes(40, start=500)
+        put(c, keep)
+        c.pin(keep)
+        # pinned blocks survive a flood that evicts everything else
+        for i in range(0, 40, 8):
+            put(c, rest[i:i + 8])
+        assert c.lookup(keep) == 4 and c.lookup(rest[:8]) == 0
+        c.unpin(keep)
+        put(c, hashes(20, start=900))
+        assert c.lookup(keep) < 4
+        # delete removes what is left
+        assert c.delete(hashes(20, start=900)) > 0 and c.lookup(hashes(20, start=900)) == 0
+
+
+# ------------------------------------------------------------------ sessions
+def test_sessions_save_resume_pin_and_delete(start):
+    d = start(cpu_blocks=16, disk=False)
+    with GrpcClient(url(d)) as c:
+        tokens = list(range(100, 116))  # four full blocks
+        hs = prefix_hashes(NS, tokens)
+        put(c, hs)
+        s = Session("agent-7", model_id="test-model", messages=[{"role": "user", "content": "hi"}], token_ids=tokens)
+        # saving with pin keeps the session's blocks through eviction pressure
+        c.sessions.put(s, ns=NS, pin=True)
+        assert s.updated_s > 0
+        for i in range(0, 48, 8):
+            put(c, hashes(8, start=2000 + 100 * i))
+        got, cached = c.sessions.resume("agent-7", ns=NS)
+        assert got.messages == s.messages and got.token_ids == tokens and cached == 4
+        assert c.sessions.list() == ["agent-7"]
+        # deleting (with ns) unpins; the blocks become ordinary victims
+        assert c.sessions.delete("agent-7", ns=NS)
+        put(c, hashes(20, start=7000))
+        assert c.lookup(hs) < 4
+        assert c.sessions.get("agent-7") is None and not c.sessions.delete("agent-7")
+
+
+# ------------------------------------------------------------------ auth and tenants
+def test_tenants_never_share_blocks_or_sessions(start):
+    d = start(auth=True, metrics_port=0)
+    hs = hashes(6)
+    with GrpcClient(url(d), token=TOKENS["acme"]) as acme, GrpcClient(url(d), token=TOKENS["globex"]) as globex:
+        assert acme.hello.tenant == "acme" and acme.hello.auth_required
+        put(acme, hs)
+        acme.sessions.put(Session("plan", token_ids=[1, 2, 3]))
+        # the same hashes address nothing for another tenant, and do not disturb acme's copies
+        assert globex.lookup(hs) == 0 and globex.load(NS, hs) == [None] * 6
+        assert globex.sessions.list() == [] and globex.sessions.get("plan") is None
+        assert acme.lookup(hs) == 6 and intact(acme, hs)
+        assert acme.stats()["cpu"]["corrupt"] == 0
+        # keys are salted server-side: an unauthenticated view of the store misses the raw hashes
+        assert d.store.lookup(hs) == 0 and d.store.lookup(tenant_keys("acme", hs)) == 6
+        # naming another tenant is refused
+        evil = pb.LoadRequest(ns=ns_to_pb(NS.with_tenant("acme")), hashes=hs)
+        code, msg = code_of(lambda: list(raw(d).Load(evil, metadata=bearer("globex"))))
+        assert code == Code.PERMISSION_DENIED and "tenant" in msg
+    m = scrape(d)
+    assert m[("tierkv_tenant_bytes_total", (("direction", "store"), ("tenant", "acme")))] == 6 * P
+    assert ("tierkv_tenant_bytes_total", (("direction", "store"), ("tenant", "globex"))) not in m
+
+
+def test_missing_or_wrong_tokens_are_refused(start):
+    d = start(auth=True)
+    stub, req = raw(d), pb.LookupRequest(hashes=hashes(1))
+    assert code_of(lambda: stub.Lookup(req))[0] == Code.UNAUTHENTICATED
+    assert code_of(lambda: stub.Lookup(req, metadata=(("authorization", "Bearer nope-nope-nope-nope"),))) == \
+        (Code.UNAUTHENTICATED, "unknown token")
+    assert code_of(lambda: stub.Lookup(req, metadata=(("authorization", TOKENS["acme"]),)))[0] == Code.UNAUTHENTICATED
+    assert stub.Lookup(req, metadata=bearer("acme")).blocks == 0
+    # the client turns a refused token into TierUnavailableError at connect time
+    with pytest.raises(TierUnavailableError, match="UNAUTHENTICATED"):
+        GrpcClient(url(d), token="wrong-token-0123456789")
+    # health needs no token (probes); reflection does
+    ch = grpc.insecure_channel(d.address)
+    health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="tierkv.v1.TierKV"))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+    assert code_of(lambda: list(refl.ServerReflectionInfo(iter([ask]))))[0] == Code.UNAUTHENTICATED
+    names = {s.name for r in refl.ServerReflectionInfo(iter([ask]), metadata=bearer("acme"))
+             for s in r.list_services_response.service}
+    assert "tierkv.v1.TierKV" in names
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_tls_with_a_self_signed_certificate(start, tmp_path):
+    # a certificate for localhost, trusted by the client as its CA
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    d = start(listen="localhost:0", tls_cert=str(cert), tls_key=str(key))
+    with GrpcClient(f"grpc://localhost:{d.port}?tls=1&ca={cert}") as c:
+        assert put(c, hashes(2)) == 2 and intact(c, hashes(2))
+    # a plaintext client cannot talk to it
+    with pytest.raises(TierUnavailableError):
+        GrpcClient(f"grpc://localhost:{d.port}", connect_timeout_s=1)
+    # mutual TLS: without a client certificate the handshake fails; with one it works
+    m = start(listen="localhost:0", tls_cert=str(cert), tls_key=str(key), tls_client_ca=str(cert))
+    with pytest.raises(TierUnavailableError):
+        GrpcClient(f"grpc://localhost:{m.port}?tls=1&ca={cert}", connect_timeout_s=1)
+    with GrpcClient(f"grpc://localhost:{m.port}?tls=1&ca={cert}&cert={cert}&key={key}") as c:
+        assert c.lookup(hashes(1)) == 0
+
+
+def test_token_files_in_both_formats(tmp_path):
+    (tmp_path / "t.txt").write_text("# comment\nabcdefghijklmnop0 acme\n\nqrstuvwxyz0123456 globex  # trailing\n")
+    (tmp_path / "t.toml").write_text('[tokens]\n"abcdefghijklmnop0" = "acme"\n')
+    assert sorted(load_tokens(tmp_path / "t.txt").values()) == ["acme", "globex"]
+    assert list(load_tokens(tmp_path / "t.toml").values()) == ["acme"]
+    for bad, why in [("short acme\n", "at least"), ("abcdefghijklmnop0\n", "expected"),
+                     ("abcdefghijklmnop0 ../etc\n", "tenant")]:
+        (tmp_path / "bad.txt").write_text(bad)
+        with pytest.raises(ConfigError, match=why):
+            load_tokens(tmp_path / "bad.txt")
+
+
+# ------------------------------------------------------------------ bad input
+def _store_call(stub, first: pb.StoreChunk, *rest: pb.StoreChunk):
+    return lambda: stub.Store(iter([first, *rest]))
+
+
+def test_malformed_requests_get_clear_status_codes(start):
+    d = start(max_blocks=64, max_request_bytes=32 * P, chunk_bytes=128 << 10, max_message_bytes=256 << 10)
+    stub, ns, hs = raw(d), ns_to_pb(NS), hashes(4)
+    with GrpcClient(url(d, "stream")) as c:  # something stored, to check nothing is lost afterwards
+        put(c, hs)
+    seg = Segment(4 * P)
+    try:
+        aid = stub.Attach(pb.AttachRequest(name=seg.name, nonce=seg.nonce)).attachment
+        cases = [
+            (lambda: stub.Lookup(pb.LookupRequest(hashes=[hs[0], b"short"])),
+             Code.INVALID_ARGUMENT, "hashes[1] is 5 bytes"),
+            (lambda: list(stub.Load(pb.LoadRequest(hashes=hs))), Code.INVALID_ARGUMENT, "no namespace"),
+            (lambda: list(stub.Load(pb.LoadRequest(ns=pb.Namespace(model_id="m", kv_dtype="float64", num_layers=1,
+                                                                    kv_heads=1, head_dim=1, block_tokens=1)))),
+             Code.INVALID_ARGUMENT, "kv_dtype"),
+            (lambda: list(stub.Load(pb.LoadRequest(ns=ns, hashes=hashes(65)))), Code.RESOURCE_EXHAUSTED, "limit is 64"),
+            (_store_call(stub, pb.StoreChunk(ns=ns, hashes=hs, data=bytes(P))), Code.INVALID_ARGUMENT, "need"),
+            (_store_call(stub, pb.StoreChunk(ns=ns, hashes=hs[:1], data=bytes(P + 1))),
+             Code.INVALID_ARGUMENT, "more than"),
+            (_store_call(stub, pb.StoreChunk(ns=ns, hashes=hs[:1]), pb.StoreChunk(ns=ns, data=bytes(P))),
+             Code.INVALID_ARGUMENT, "first Store message only"),
+            (lambda: stub.Store(iter([])), Code.INVALID_ARGUMENT, "empty Store stream"),
+            (_store_call(stub, pb.StoreChunk(ns=ns, hashes=hashes(33))), Code.RESOURCE_EXHAUSTED, "split the batch"),
+            (_store_call(stub, pb.StoreChunk(ns=ns, hashes=hs[:1], data=bytes(300 << 10))),  # > max message
+             Code.RESOURCE_EXHAUSTED, ""),
+            (lambda: stub.LoadShm(pb.ShmRequest(ns=ns, hashes=hs, attachment="nope")),
+             Code.NOT_FOUND, "unknown attachment"),
+            (lambda: stub.StoreShm(pb.ShmRequest(ns=ns, hashes=hs, attachment=aid, offset=P)),
+             Code.INVALID_ARGUMENT, "do not fit"),
+            (lambda: stub.StoreShm(pb.ShmRequest(ns=ns, hashes=hs[:1], attachment=aid, offset=1)),
+             Code.INVALID_ARGUMENT, "multiple of 64"),
+            (lambda: stub.Attach(pb.AttachRequest(name="../etc/passwd")), Code.INVALID_ARGUMENT, "not tierkv-"),
+            (lambda: stub.Attach(pb.AttachRequest(name="tierkv-missing")), Code.FAILED_PRECONDITION, "cannot open"),
+            (lambda: stub.Attach(pb.AttachRequest(name=seg.name, nonce=bytes(16))), Code.PERMISSION_DENIED, "nonce"),
+            (lambda: stub.SaveSession(pb.SaveSessionRequest(session=pb.Session(session_id="../x"))),
+             Code.INVALID_ARGUMENT, "session id"),
+            (lambda: stub.SaveSession(pb.SaveSessionRequest(session=pb.Session(session_id="s", messages_json="{"))),
+             Code.INVALID_ARGUMENT, "not JSON"),
+            (lambda: stub.SaveSession(pb.SaveSessionRequest(session=pb.Session(session_id="s"), pin=True)),
+             Code.INVALID_ARGUMENT, "no namespace"),
+            (lambda: stub.ListSessions(pb.ListSessionsRequest(tenant="a/b")), Code.INVALID_ARGUMENT, "tenant"),
+        ]
+        for call, want, fragment in cases:
+            # each one answers with its code and a message saying what was wrong
+            code, msg = code_of(call)
+            assert code == want and fragment in msg, (want, fragment, code, msg)
+    finally:
+        seg.close()
+    # the daemon is alive and lost nothing
+    with GrpcClient(url(d, "stream")) as c:
+        assert c.lookup(hs) == 4 and intact(c, hs)
+
+
+def test_a_client_vanishing_mid_store_stores_nothing(start):
+    d = start(metrics_port=0)
+    hs = hashes(4)
+    sent, gate = threading.Event(), threading.Event()
+
+    def stream():
+        yield pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs, data=bytes(P))
+        sent.set()
+        gate.wait(10)
+        yield pb.StoreChunk(data=bytes(3 * P))
+
+    # the client sends the first quarter, then goes away
+    call = raw(d).Store.future(stream())
+    assert sent.wait(10)
+    time.sleep(0.3)  # let the first message reach the handler
+    call.cancel()
+    gate.set()
+    key = ("tierkv_rpc_total", (("code", "CANCELLED"), ("method", "Store"), ("tenant", "-")))
+    deadline = time.monotonic() + 10
+    while scrape(d).get(key) != 1.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scrape(d).get(key) == 1.0
+    with GrpcClient(url(d)) as c:
+        assert c.lookup(hs) == 0
+        assert put(c, hs) == 4 and intact(c, hs)
+
+
+def test_failures_mid_run_are_misses_not_crashes(start, caplog):
+    d = start()
+    c = GrpcClient(url(d, "shm"))
+    hs = hashes(3)
+    put(c, hs)
+    d.stop(grace_s=0)
+    # the daemon is gone: lookups and loads miss, stores drop, all logged once
+    with caplog.at_level(logging.WARNING, logger="tierkv.client"):
+        assert c.lookup(hs) == 0
+        assert c.load(NS, hs) == [None] * 3
+        assert put(c, hs) == 0
+        assert put(c, hs) == 0
+    assert c.errors == 4
+    # the shared-memory segment was given up (the daemon may never have finished with it)
+    assert c.transport == "stream"
+    assert sum("store failed" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(TierUnavailableError):
+        c.stats()
+    # argument errors are still the caller's: raised, as the embedded store does
+    with pytest.raises(ValueError, match="payload"):
+        c.store(NS, hs[:1], [torch.zeros(3)])
+    c.close()
+    # nothing listening at all: TierUnavailableError at connect time
+    with pytest.raises(TierUnavailableError, match="cannot reach"):
+        GrpcClient(f"grpc://{d.address}", connect_timeout_s=0.5)
+
+
+# ------------------------------------------------------------------ observability
+def test_metrics_report_tiers_rpcs_and_latency(start):
+    d = start(metrics_port=0)
+    with GrpcClient(url(d)) as c:
+        hs = hashes(5)
+        put(c, hs)
+        c.load(NS, hs + hashes(1, start=777))
+        stats = c.stats()
+        m = scrape(d)
+    # tier counters come from store.stats() at scrape time
+    assert m[("tierkv_tier_hits_total", (("tier", "cpu"),))] == stats["cpu"]["hits"] == 5
+    assert m[("tierkv_tier_misses_total", (("tier", "cpu"),))] == stats["cpu"]["misses"] == 1
+    assert m[("tierkv_tier_blocks", (("tier", "cpu"),))] == 5
+    assert ("tierkv_tier_queue_depth", (("tier", "disk"),)) in m
+    # one latency observation per RPC, labelled by method
+    assert m[("tierkv_rpc_seconds_count", (("method", "LoadShm"),))] == 1
+    assert m[("tierkv_rpc_total", (("code", "OK"), ("method", "StoreShm"), ("tenant", "-")))] == 1
+    assert m[("tierkv_shm_attachments", ())] == 1
+    # closing the client detaches its segment
+    assert scrape(d)[("tierkv_shm_attachments", ())] == 0
+
+
+def test_structured_log_lines():
+    rec = logging.LogRecord("tierkv.server", logging.INFO, __file__, 1, "serving", None, None)
+    rec.fields = {"listen": "127.0.0.1:7600", "note": "two words"}
+    line = json.loads(StructuredFormatter(json_lines=True).format(rec))
+    assert line["msg"] == "serving" and line["listen"] == "127.0.0.1:7600" and line["level"] == "info"
+    text = StructuredFormatter().format(rec)
+    assert "msg=serving" in text and 'note="two words"' in text
+
+
+# ------------------------------------------------------------------ fuzzing a live daemon
+ANSWERS = {Code.OK, Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.PERMISSION_DENIED, Code.NOT_FOUND,
+           Code.FAILED_PRECONDITION}
+_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
+_dim = st.one_of(st.integers(0, 4), st.integers(0, 2**32 - 1))
+
+
+def _mostly(good, bad, good_in_4: int = 3):
+    """`good` in good_in_4 of 4 draws, else `bad` (one_of alone leans to the richer branch)."""
+    return st.integers(0, 3).flatmap(lambda i: good if i < good_in_4 else bad)
+
+
+_namespaces = _mostly(
+    st.sampled_from([ns_to_pb(NS), ns_to_pb(NS.with_tenant("acme"))]),
+    st.builds(pb.Namespace, model_id=_text, kv_dtype=st.sampled_from(["bfloat16", "int8", "float64", ""]),
+              num_layers=_dim, kv_heads=_dim, head_dim=_dim, block_tokens=_dim, tp_rank=st.integers(0, 3),
+              tp_world=st.integers(0, 3), codec=st.sampled_from(["", "raw", "zstd"]),
+              tenant_salt=st.sampled_from(["", "acme", "a/b"])))
+_maybe_ns = _mostly(_namespaces, st.none())
+_hashes = _mostly(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=6),
+                  st.lists(st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=24)), max_size=4), 2)
+_data = st.lists(st.one_of(st.binary(max_size=64), st.sampled_from([bytes(P), bytes(2 * P), bytes(P // 2)])),
+                 max_size=4)
+_session = st.builds(pb.Session, session_id=st.one_of(st.sampled_from(["s1", "s2"]), _text), tenant=_text,
+                     messages_json=st.one_of(st.just("[]"), _text),
+                     token_ids=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=20))
+
+
+@pytest.fixture(scope="module")
+def fuzz_target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz")
+    d = Daemon(make_store(root / "store", cpu_blocks=32), ServerSettings(
+        listen="127.0.0.1:0", sessions_dir=str(root), max_blocks=8, max_request_bytes=8 * P)).start()
+    seg = Segment(8 * P)
+    stub = raw(d)
+    aid = stub.Attach(pb.AttachRequest(name=seg.name, nonce=seg.nonce)).attachment
+    client = GrpcClient(url(d, "stream"))
+    put(client, hashes(6))
+    yield client, stub, aid
+    client.close()
+    seg.close()
+    d.stop(grace_s=0)
+
+
+def _store_stream(ns, hs, data, resend_hashes):
+    """A Store request stream; later messages may wrongly repeat hashes."""
+    first = pb.StoreChunk(ns=ns, hashes=hs, data=data[0] if data else b"")
+    return [first] + [pb.StoreChunk(data=x, hashes=hs[:resend_hashes]) for x in data[1:]]
+
+
+def _requests(aid: str):
+    """(method, request) pairs, mostly malformed, for every kind of RPC."""
+    shm = st.builds(pb.ShmRequest, ns=_namespaces, hashes=_hashes, attachment=st.sampled_from([aid, aid, "", "bogus"]),
+                    offset=_mostly(st.integers(0, 2 * P), st.integers(0, 2**40)))
+    return st.one_of(
+        st.tuples(st.just("Lookup"), st.builds(pb.LookupRequest, ns=_maybe_ns, hashes=_hashes)),
+        st.tuples(st.just("Load"), st.builds(pb.LoadRequest, ns=_maybe_ns, hashes=_hashes)),
+        st.tuples(st.just("Store"), st.builds(_store_stream, _maybe_ns, _hashes, _data, st.integers(0, 1))),
+        st.tuples(st.sampled_from(["LoadShm", "StoreShm"]), shm),
+        st.tuples(st.just("Pin"), st.builds(pb.PinRequest, ns=_maybe_ns, hashes=_hashes, ttl_s=st.floats())),
+        st.tuples(st.just("SaveSession"), st.builds(pb.SaveSessionRequest, session=_session, ns=_maybe_ns,
+                                                    pin=st.booleans())),
+        st.tuples(st.just("ResumeSession"), st.builds(pb.ResumeSessionRequest, session_id=_text, ns=_maybe_ns,
+                                                      tenant=st.sampled_from(["", "acme", "../x"]))),
+        st.tuples(st.just("Attach"), st.builds(pb.AttachRequest, name=st.one_of(_text, st.just("tierkv-none")),
+                                               nonce=st.binary(max_size=20))),
+    )
+
+
+def _send(stub, method: str, request):
+    rpc = getattr(stub, method)
+    if method == "Load":
+        return list(rpc(request))
+    return rpc(iter(request)) if method == "Store" else rpc(request)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_malformed_requests_never_crash_the_daemon_or_lose_blocks(fuzz_target, data):
+    client, stub, aid = fuzz_target
+    method, request = data.draw(_requests(aid))
+    # any request gets an answer or a client-error status, never INTERNAL/UNKNOWN
+    try:
+        _send(stub, method, request)
+    except grpc.RpcError as e:
+        assert e.code() in ANSWERS, (method, e.code(), e.details())
+    # and the blocks stored before are still there, intact
+    assert intact(client, hashes(6))

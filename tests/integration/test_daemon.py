@@ -1,0 +1,198 @@
+"""`tierkv serve` as a real subprocess: both data paths, restart, auth, SIGTERM drain, admin CLI."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cache_service.sessions import Session
+from cache_service.wire import ns_to_pb
+from connectors.client import connect
+from connectors.grpc_client import GrpcClient
+from engine.cli import main
+from proto import tierkv_pb2 as pb
+from proto import tierkv_pb2_grpc as pb_grpc
+from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
+from tiers.types import TierUnavailableError
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "integration-token-0123456789"
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DaemonProcess:
+    """`python -m engine.cli serve` over a CPU + disk store rooted in `root`."""
+
+    def __init__(self, root: Path, *extra: str) -> None:
+        self.root, self.extra, self.port = root, extra, free_port()
+        self.config = root / "tierkv.toml"
+        self.config.write_text(f'[tiers.cpu]\ncapacity = {64 * OBJ}\nslot_bytes = {OBJ}\n\n'
+                               f'[tiers.disk]\npath = "{root / "store"}"\ncapacity = "64MiB"\nwrite = "through"\n')
+        self.proc: subprocess.Popen | None = None
+        self.log = root / "daemon.log"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def url(self, transport: str = "auto") -> str:
+        return f"grpc://{self.address}?transport={transport}"
+
+    def start(self) -> "DaemonProcess":
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.cli", "serve", "--config", str(self.config), "--listen", self.address,
+                 "--log-format", "json", *self.extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while self.health() != health_pb2.HealthCheckResponse.SERVING:  # ready when health says so
+            assert self.proc.poll() is None, f"daemon exited early:\n{self.log.read_text()}"
+            assert time.monotonic() < deadline, f"daemon not ready:\n{self.log.read_text()}"
+            time.sleep(0.1)
+        return self
+
+    def health(self) -> int | None:
+        with grpc.insecure_channel(self.address) as ch:
+            try:
+                req = health_pb2.HealthCheckRequest(service="tierkv.v1.TierKV")
+                return health_pb2_grpc.HealthStub(ch).Check(req, timeout=1).status
+            except grpc.RpcError:
+                return None
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+
+@pytest.fixture
+def daemons(tmp_path):
+    started: list[DaemonProcess] = []
+
+    def make(*extra: str) -> DaemonProcess:
+        started.append(DaemonProcess(tmp_path, *extra))
+        return started[-1]
+
+    yield make
+    for d in started:
+        d.kill()
+
+
+def cli(d: DaemonProcess, capsys, *args: str) -> tuple[int, str, str]:
+    """Run `tierkv ARGS --url <daemon>`; (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    rc = main([*args, "--url", f"grpc://{d.address}"])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def put(client, hs) -> int:
+    return client.store(NS, hs, [payload_for(h) for h in hs])
+
+
+def intact(client, hs) -> bool:
+    return all(p is not None and same(p, payload_for(h)) for p, h in zip(client.load(NS, hs), hs))
+
+
+def test_both_paths_round_trip_and_a_restart_keeps_disk_blocks(daemons):
+    d = daemons().start()
+    a, b = hashes(6), hashes(6, start=1000)
+    shm, stream = connect(d.url("shm")), GrpcClient(d.url("stream"))
+    assert (shm.transport, stream.transport) == ("shm", "stream")
+    # each path stores, and each reads what the other stored
+    assert put(shm, a) == 6 and put(stream, b) == 6
+    assert intact(shm, b) and intact(stream, a)
+    # SIGTERM: a clean exit after flushing the disk writes
+    assert d.stop() == 0
+    d.start()
+    with GrpcClient(d.url("stream")) as fresh:
+        assert fresh.lookup(a) == 6 and fresh.lookup(b) == 6 and intact(fresh, a + b)
+        assert fresh.stats()["disk"]["blocks"] == 12
+    # clients from before the restart recover by themselves (reconnect; a new segment for shm)
+    deadline = time.monotonic() + 30
+    while not (intact(shm, a) and intact(stream, b)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert intact(shm, a) and intact(stream, b) and shm.transport == "shm"
+    assert shm.daemon_stats()["shm_attachments"] == 1  # attached anew to the new daemon
+    shm.close()
+    stream.close()
+    assert d.stop() == 0
+
+
+def test_tokens_are_enforced_and_the_admin_cli_works(daemons, tmp_path, monkeypatch, capsys):
+    (tmp_path / "tokens.txt").write_text(f"{TOKEN} acme\n")
+    d = daemons("--token-file", str(tmp_path / "tokens.txt")).start()
+    # a wrong or missing token is refused when connecting; the engine would run without cache
+    for token in ("wrong-token-0123456789", None):
+        with pytest.raises(TierUnavailableError, match="UNAUTHENTICATED"):
+            GrpcClient(d.url(), token=token)
+    # tierkv stats and tierkv sessions (the CLI, in this process) against the live daemon
+    monkeypatch.setenv("TIERKV_TOKEN", "wrong-token-0123456789")
+    rc, _, err = cli(d, capsys, "stats")
+    assert rc == 2 and "UNAUTHENTICATED" in err
+    monkeypatch.setenv("TIERKV_TOKEN", TOKEN)
+    with GrpcClient(d.url()) as c:
+        assert c.hello.tenant == "acme" and put(c, hashes(3)) == 3
+        c.sessions.put(Session("agent-7", model_id="test-model", token_ids=[1, 2, 3]))
+    rc, out, _ = cli(d, capsys, "stats", "--json")
+    assert rc == 0 and json.loads(out)["tiers"]["cpu"]["blocks"] == 3
+    assert json.loads(cli(d, capsys, "sessions", "list", "--json")[1]) == ["agent-7"]
+    shown = json.loads(cli(d, capsys, "sessions", "show", "agent-7", "--json")[1])
+    assert shown["tenant"] == "acme" and shown["token_ids"] == [1, 2, 3]
+    assert cli(d, capsys, "sessions", "delete", "agent-7")[0] == 0
+    assert cli(d, capsys, "sessions", "show", "agent-7")[0] == 1
+    assert d.stop() == 0
+
+
+def test_sigterm_lets_an_in_flight_store_finish(daemons):
+    d = daemons("--grace", "30").start()
+    hs, sent, release = hashes(4), threading.Event(), threading.Event()
+
+    def stream():
+        yield pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs, data=b"".join(payload_bytes(h) for h in hs[:2]))
+        sent.set()
+        release.wait(30)
+        yield pb.StoreChunk(data=b"".join(payload_bytes(h) for h in hs[2:]))
+
+    channel = grpc.insecure_channel(d.address)
+    call = pb_grpc.TierKVStub(channel).Store.future(stream())
+    assert sent.wait(10)
+    # SIGTERM while the store is half sent: the daemon stops taking calls...
+    d.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while d.health() == health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.health() != health_pb2.HealthCheckResponse.SERVING
+    # ...but the call in flight completes, and the process exits cleanly after it
+    release.set()
+    assert call.result(timeout=30).stored == 4
+    assert d.proc.wait(60) == 0
+    channel.close()
+    with GrpcClient(d.start().url()) as c:
+        assert c.lookup(hs) == 4 and intact(c, hs)
+    assert d.stop() == 0
+
+
+def payload_bytes(h: bytes) -> bytes:
+    return payload_for(h).view(-1).view(torch.uint8).numpy().tobytes()

@@ -1,0 +1,213 @@
+"""The Redis directory (tiers/redis_dir.py) under TieredStores, against a real
+redis-server and a real 3-node Redis Cluster, with Ceph's S3 behind: where
+blocks are, which nodes live, shared session manifests, and a Redis outage
+that leaves every store serving local hits and heals by itself."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import pytest
+
+from cache_service.config import load_config
+from cache_service.factory import open_sessions, open_store
+from cache_service.sessions import Session, SessionStore
+from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
+from tests.integration.conftest import S3Server, servers
+from tiers.redis_dir import S3, RedisDirectory
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def target(request) -> dict:
+    """[directory] connection settings: one Redis, or the cluster."""
+    if request.param == "redis":
+        return {"url": request.getfixturevalue("redis_url")}
+    return {"cluster": ",".join(f"{h}:{p}" for h, p in request.getfixturevalue("redis_cluster_nodes"))}
+
+
+@pytest.fixture
+def open_node(target: dict, s3_server: S3Server, s3_bucket: str, tmp_path):
+    """`open_node(name, s3=True, disk_blocks=256)`: a store cpu -> disk [-> s3]
+    with the directory, sharing this test's S3 prefix and Redis key prefix."""
+    prefix, stores = f"d-{uuid.uuid4().hex[:8]}", []
+
+    def config(name: str, s3: bool = True, disk_blocks: int = 256) -> dict:
+        tiers = {"cpu": {"capacity": 64 * OBJ, "slot_bytes": OBJ},
+                 "disk": {"path": str(tmp_path / name), "capacity": disk_blocks * OBJ, "fsync": False}}
+        if s3:
+            tiers["s3"] = {"bucket": s3_bucket, "prefix": prefix, "endpoint": s3_server.endpoint,
+                           "capacity": "1GiB", "access_key": s3_server.access_key, "secret_key": s3_server.secret_key}
+        return {"tiers": tiers, "directory": target | {"node_id": name, "prefix": prefix, "heartbeat_ttl_s": 2.0}}
+
+    def open_node(name: str, **kw):
+        stores.append(open_store(load_config(env={}, overrides=config(name, **kw))))
+        return stores[-1]
+
+    open_node.config = config
+    yield open_node
+    for s in stores:
+        s.close()
+
+
+def write(store, hs) -> None:
+    store.store(NS, hs, [payload_for(h) for h in hs])
+    assert store.flush(120)
+
+
+def all_same(got, hs) -> bool:
+    return all(g is not None and same(g, payload_for(h)) for g, h in zip(got, hs))
+
+
+def wait_until(check, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.1)
+
+
+def test_a_block_stored_on_one_node_is_found_through_the_directory_on_another(open_node):
+    # Y opens first: its S3 tier lists nothing, so only the directory can tell it about X's blocks.
+    y, x = open_node("y"), open_node("x")
+    hs = hashes(12)
+    write(x, hs)
+    assert y.tiers[-1].contains_many(hs) == [False] * 12
+    # X published each block twice: on its disk and in S3.
+    assert x.directory.locate_many(hs) == [frozenset({"x", S3})] * 12
+    # Y's lookup asks Redis once for the whole batch of misses and finds them in S3.
+    asked = y.directory.stats.locates
+    assert y.lookup(hs) == 12
+    assert y.directory.stats.locates == asked + 1
+    # Y loads them byte-identical from S3 and promotes them into its own disk (published too).
+    assert all_same(y.load(NS, hs), hs)
+    assert y.stats()["s3"]["hits"] == 12
+    assert y.flush(60)
+    assert y.directory.locate_many(hs) == [frozenset({"x", "y", S3})] * 12
+    # Now local: a lookup that hits locally never asks Redis.
+    asked = y.directory.stats.locates
+    assert y.lookup(hs) == 12
+    assert y.directory.stats.locates == asked
+    # X deletes four blocks everywhere it can (its tiers and S3): only Y's disk copy stays listed.
+    x.delete(hs[:4])
+    assert x.flush(60)
+    assert x.directory.locate_many(hs[:4]) == [frozenset({"y"})] * 4
+
+
+@pytest.mark.parametrize("target", ["redis"], indirect=True)
+def test_blocks_evicted_from_a_disk_are_unpublished(open_node):
+    # A disk of four blocks (no S3 below): storing ten evicts the oldest from it.
+    x = open_node("x", s3=False, disk_blocks=4)
+    hs = hashes(10, start=300)
+    for i in range(0, 10, 2):
+        write(x, hs[i:i + 2])
+    on_disk = x.tiers[1].contains_many(hs)
+    assert 0 < sum(on_disk) < 10
+    # The directory lists X for exactly the blocks its disk still holds.
+    assert ["x" in loc for loc in x.directory.locate_many(hs)] == on_disk
+
+
+def test_nodes_register_heartbeat_and_leave(target):
+    def directory(node_id, **kw) -> RedisDirectory:
+        cluster = [(h, int(p)) for h, _, p in (n.rpartition(":") for n in target.get("cluster", "").split(",") if n)]
+        return RedisDirectory(url=target.get("url", ""), cluster_nodes=cluster, node_id=node_id, prefix=prefix,
+                              heartbeat_ttl_s=2.0, **kw)
+
+    prefix = f"n-{uuid.uuid4().hex[:8]}"
+    reader, a = directory(None), directory("a", endpoint="grpc://10.0.0.1:7600")
+    try:
+        # A registers with its endpoint; a reader (no node of its own) sees it.
+        wait_until(lambda: "a" in reader.nodes(fresh=True))
+        assert reader.nodes()["a"]["endpoint"] == "grpc://10.0.0.1:7600"
+        assert a.stats.registrations == 1
+        # Heartbeats keep the record alive past its TTL.
+        time.sleep(3)
+        assert "a" in reader.nodes(fresh=True)
+        # A clean close deregisters at once.
+        a.close()
+        assert "a" not in reader.nodes(fresh=True)
+    finally:
+        a.close()
+        reader.close()
+
+
+def test_sessions_are_shared_through_redis_and_kept_in_s3(open_node):
+    x, y = open_node("x"), open_node("y")
+    on_x = open_sessions(load_config(env={}, overrides=open_node.config("x")), "/nonexistent", x)
+    on_y = open_sessions(load_config(env={}, overrides=open_node.config("y")), "/nonexistent", y)
+    # X saves a pinned session; Y reads it, lists it and sees the pin.
+    s = Session("trip-1", tenant="acme", token_ids=list(range(40)), messages=[{"role": "user", "content": "hi"}],
+                pinned_until=time.time() + 60)
+    on_x.put(s)
+    got = on_y.get("trip-1", "acme")
+    assert (got.token_ids, got.messages) == (s.token_ids, s.messages)
+    assert on_y.list("acme") == ["trip-1"] and on_y.list("globex") == []
+    assert on_y.pins("acme") == {"trip-1": pytest.approx(s.pinned_until)}
+    # The durable copy in S3 (the source of truth) holds the same manifest.
+    assert on_y.durable.get("trip-1", "acme").token_ids == s.token_ids
+    assert y.directory.get_manifest("acme", "trip-1") is not None
+    # Delete removes it from both.
+    assert on_y.delete("trip-1", "acme")
+    assert on_x.get("trip-1", "acme") is None and on_x.durable.get("trip-1", "acme") is None
+    assert on_x.list("acme") == [] and on_x.pins("acme") == {}
+
+
+@pytest.mark.parametrize("target", ["redis"], indirect=True)  # stopping Redis is what is tested
+def test_redis_outage_leaves_stores_local_only_and_heals(open_node, caplog):
+    y, x = open_node("y"), open_node("x")
+    sessions = open_sessions(load_config(env={}, overrides=open_node.config("x")), "/nonexistent", x)
+    before = hashes(6, start=500)
+    write(x, before)
+    sessions.put(Session("before", tenant="acme", token_ids=[1, 2, 3]))
+    assert y.lookup(before) == 6
+    caplog.set_level(logging.WARNING, logger="tiers.redis_dir")
+    stop = servers("stop", "redis")
+    assert stop.returncode == 0, stop.stderr
+    try:
+        # X still serves its local blocks and stores new ones; no error reaches the caller.
+        assert x.lookup(before) == 6 and all_same(x.load(NS, before), before)
+        during = hashes(6, start=900)
+        write(x, during)
+        assert x.lookup(during) == 6
+        # Y cannot learn of them (its S3 view predates them): a miss, not an error, however often asked.
+        for _ in range(50):
+            assert y.lookup(during) == 0
+        assert not x.directory.available and not y.directory.available
+        failed = {k: x.directory.stats.as_dict()[k] + y.directory.stats.as_dict()[k] for k in ("errors", "skipped")}
+        assert failed["errors"] >= 2 and failed["skipped"] + failed["errors"] >= 50
+        # Sessions are still saved and read: the S3 copy answers.
+        sessions.put(Session("during", tenant="acme", token_ids=[4, 5, 6]))
+        assert sessions.get("before", "acme").token_ids == [1, 2, 3]
+        assert sessions.list("acme") == ["before", "during"]
+    finally:
+        start = servers("start", "redis")
+        assert start.returncode == 0, start.stderr
+    # Logged at a bounded rate: far fewer warnings than failures.
+    warned = [r for r in caplog.records if r.name == "tiers.redis_dir" and "failed" in r.getMessage()]
+    assert 1 <= len(warned) <= 4
+    # Redis is back (empty): within seconds X re-registers and re-publishes its disk and S3
+    # blocks, the updates queued during the outage are applied, and Y finds everything.
+    wait_until(lambda: y.lookup(before + during) == 12)
+    assert x.directory.available and x.directory.stats.reconnects >= 1 and x.directory.stats.registrations >= 2
+    # The session written during the outage reaches Redis on X's next session call...
+    sessions.list("acme")
+    assert y.directory.get_manifest("acme", "during") is not None
+    # ...and the one Redis lost is read from S3 on Y and put back.
+    on_y = open_sessions(load_config(env={}, overrides=open_node.config("y")), "/nonexistent", y)
+    assert y.directory.get_manifest("acme", "before") is None
+    assert on_y.get("before", "acme").token_ids == [1, 2, 3]
+    assert y.directory.get_manifest("acme", "before") is not None
+
+
+def test_without_s3_manifests_stay_on_the_node_that_wrote_them(tmp_path, redis_url):
+    # No S3 tier: the durable copy is local files; Redis still shares them.
+    cfg = load_config(env={}, overrides={"directory": {"url": redis_url, "prefix": f"l-{uuid.uuid4().hex[:8]}"}})
+    a, b = open_sessions(cfg, tmp_path / "a"), open_sessions(cfg, tmp_path / "b")
+    try:
+        a.put(Session("local-1", tenant="acme", token_ids=[7]))
+        assert isinstance(a.durable, SessionStore) and a.durable.get("local-1", "acme") is not None
+        assert b.get("local-1", "acme").token_ids == [7] and b.durable.get("local-1", "acme") is None
+    finally:
+        a.close()
+        b.close()

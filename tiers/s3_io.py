@@ -1,0 +1,148 @@
+"""S3 request helpers of the S3 tier: bucket setup and listing, lifecycle,
+body reading, error classification, bounded-rate warnings, settings checks.
+
+None of this knows the tier's index or capacity (``tiers/s3.py``); every
+function takes a boto3 S3 client and raises botocore's errors unless it says
+otherwise.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from typing import Iterator
+
+import torch
+from botocore.exceptions import BotoCoreError, ClientError
+
+from tiers.types import BlockHash, ConfigError, TierUnavailableError
+
+MIB = 1 << 20
+MIN_PART = 5 * MIB  # S3's smallest multipart part
+MISSING = {"404", "NoSuchKey", "NotFound"}
+AUTH = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
+
+
+class Throttled:
+    """Emits at most one warning per `every_s` on `log`, counting the rest."""
+
+    def __init__(self, log: logging.Logger, every_s: float = 10.0) -> None:
+        self.log, self.every_s = log, every_s
+        self._next = 0.0
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def warn(self, msg: str, *args: object) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                self._suppressed += 1
+                return
+            skipped, self._suppressed, self._next = self._suppressed, 0, now + self.every_s
+        self.log.warning(msg + (f" (+{skipped} similar suppressed)" if skipped else ""), *args)
+
+
+def error_code(e: Exception) -> str:
+    """S3's error code (or HTTP status) of a ClientError; "" for any other error."""
+    if isinstance(e, ClientError):
+        err = e.response.get("Error", {})
+        return str(err.get("Code") or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+    return ""
+
+
+def looks_down(e: Exception) -> bool:
+    """Whether a failure says S3 is unreachable or overloaded (transport
+    failure, 5xx, throttling) rather than wrong for one key."""
+    code = error_code(e)
+    return not isinstance(e, ClientError) or code.startswith("5") or code in ("SlowDown", "ServiceUnavailable")
+
+
+def ensure_bucket(client, bucket: str) -> None:
+    """Create `bucket` (in the client's region) unless it exists."""
+    try:
+        client.head_bucket(Bucket=bucket)
+    except ClientError as e:
+        if error_code(e) not in MISSING and error_code(e) != "NoSuchBucket":
+            raise
+        region = client.meta.region_name
+        where = {} if region == "us-east-1" else {
+            "CreateBucketConfiguration": {"LocationConstraint": region}}
+        try:
+            client.create_bucket(Bucket=bucket, **where)
+        except ClientError as e2:
+            if error_code(e2) != "BucketAlreadyOwnedByYou":  # another node won the race
+                raise
+
+
+def list_blocks(client, bucket: str, prefix: str) -> Iterator[tuple[BlockHash, int, int]]:
+    """(hash, size, last-modified ns) of every block key ``<prefix>/<hh>/<hex>``
+    in the bucket, page by page; other keys under the prefix are skipped."""
+    pattern = re.compile(re.escape(prefix) + r"/([0-9a-f]{2})/([0-9a-f]{32})")
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    for page in pages:
+        for o in page.get("Contents", ()):
+            m = pattern.fullmatch(o["Key"])
+            if m and m.group(2).startswith(m.group(1)):
+                yield BlockHash(bytes.fromhex(m.group(2))), o["Size"], int(o["LastModified"].timestamp() * 1e9)
+
+
+def set_expiration(client, bucket: str, prefix: str, days: int) -> None:
+    """Install (or replace) a lifecycle rule expiring objects under `prefix`
+    `days` after they were written; other rules are kept. Raises ConfigError
+    for `days` <= 0, TierUnavailableError if S3 refuses."""
+    if days <= 0:
+        raise ConfigError(f"s3 tier: expiration days must be positive, got {days}")
+    rule_id = f"tierkv-expire-{prefix}"
+    try:
+        try:
+            rules = client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
+        except ClientError as e:
+            if error_code(e) != "NoSuchLifecycleConfiguration":
+                raise
+            rules = []
+        rules = [r for r in rules if r.get("ID") != rule_id] + [{
+            "ID": rule_id, "Filter": {"Prefix": prefix + "/"}, "Status": "Enabled",
+            "Expiration": {"Days": days}}]
+        client.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": rules})
+    except (BotoCoreError, ClientError) as e:
+        raise TierUnavailableError(f"s3 tier: cannot set lifecycle on {bucket}: {e}") from None
+
+
+def read_body(resp: dict) -> torch.Tensor:
+    """The response body read straight into a preallocated tensor; OSError if
+    the stream ends before Content-Length bytes."""
+    n = resp["ContentLength"]
+    buf = torch.empty(n, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    body = resp["Body"]
+    raw = body._raw_stream  # the urllib3 response: readinto, no bytes object of the whole body
+    try:
+        got = 0
+        while got < n:
+            k = raw.readinto(view[got:])
+            if not k:
+                raise OSError(f"body ended after {got} of {n} bytes")
+            got += k
+    finally:
+        body.close()
+    return buf
+
+
+def validate(bucket: str, prefix: str, addressing_style: str, max_concurrency: int,
+             multipart_threshold: int, connect_timeout: float, read_timeout: float,
+             retries: int, capacity_bytes: int) -> None:
+    """S3Tier's constructor arguments, checked before any request (ConfigError names the bad one)."""
+    checks = [
+        (bool(re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket or "")), f"bucket name {bucket!r}"),
+        (bool(prefix) and not prefix.startswith("/") and not prefix.endswith("/"), f"prefix {prefix!r}"),
+        (addressing_style in ("path", "virtual", "auto"), f"addressing_style {addressing_style!r}"),
+        (max_concurrency >= 1, f"max_concurrency {max_concurrency}"),
+        (multipart_threshold >= MIN_PART, f"multipart_threshold {multipart_threshold} (S3 needs >= 5 MiB)"),
+        (connect_timeout > 0 and read_timeout > 0, f"timeouts {connect_timeout}/{read_timeout}"),
+        (retries >= 0, f"retries {retries}"),
+        (capacity_bytes > 0, f"capacity_bytes {capacity_bytes}"),
+    ]
+    for ok, what in checks:
+        if not ok:
+            raise ConfigError(f"s3 tier: invalid {what}")
