@@ -1,0 +1,408 @@
+"""tierkv as a vLLM V1 KV connector (`TierKVConnector`), tested on vLLM 0.32.0.
+
+Start vLLM with::
+
+    --kv-transfer-config '{"kv_connector": "TierKVConnector",
+                           "kv_connector_module_path": "connectors.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"url": "local:///var/cache/tierkv"}}'
+
+``kv_connector_extra_config`` keys (anything else fails at startup):
+
+- ``url`` (str, default ``"local://"``): the cache service, as in
+  `connectors.client.connect`. ``local:///dir`` embeds a store in the vLLM
+  worker's process; when the scheduler runs in another process (vLLM's
+  default on CPU) it looks blocks up through the worker over a local socket.
+  One vLLM instance per directory; with tensor parallelism > 1 use the
+  daemon, ``grpc://host:port``. An unreachable service disables the
+  connector with a warning; a malformed URL is an error.
+- ``block_tokens`` (int, default 16): tokens per store block. Keys are the
+  engine-neutral hashes of docs/hash-spec.md, so with the default the blocks
+  vLLM writes are the blocks our own engine writes for the same model, and
+  vice versa. vLLM's ``block_size`` (128 on CPU, 16 on CUDA) must be a
+  multiple or a divisor of it. Loaded prefixes are multiples of both.
+- ``tenant`` (str, default ``""``): salts the namespace; tenants never share blocks.
+  A request's ``cache_salt`` salts it further.
+- ``load_failure`` (``"recompute"`` | ``"fail"``, default ``"recompute"``):
+  what vLLM does when a block cannot be loaded (evicted, corrupt). A cache
+  is best-effort, so the connector sets vLLM's ``kv_load_failure_policy`` to
+  this value; vLLM then recomputes the reported blocks.
+
+The namespace is derived from what vLLM runs: model id
+(`connectors.model_id.model_id_for_dir` for a local directory, else the
+model name and revision), KV dtype, attention layers, KV heads per TP rank,
+head dim, TP rank/world. Requests with LoRA adapters, multimodal inputs or
+prompt embeddings are neither looked up nor saved (their KV depends on more
+than token ids).
+
+Roles: vLLM builds one instance for the scheduler and one per worker; the
+scheduler side (`connectors/vllm_scheduler.py`) plans, the worker side
+(`connectors/vllm_worker.py`) copies. Both use one client per URL and process.
+
+Layouts: the store always holds the canonical block layout of
+docs/hash-spec.md. vLLM's CPU attention packs each page per ISA (K transposed
+for AVX-512/NEON, tiles for AMX); the worker learns that packing at startup
+from vLLM's own cache writer (`learn_cpu_page_layout`), so KV written by
+vLLM on one CPU is readable by our engine and by vLLM on another CPU.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from cache_service.keys import KV_DTYPES, Namespace
+from cache_service.store import TieredStore
+from connectors.client import CacheClient, connect
+from connectors.model_id import model_id_for_dir
+from connectors.vllm_scheduler import (RemoteLookup, SchedulerSide, TierKVConfig, Transfer, is_local,
+                                       lookup_address)
+from connectors.vllm_worker import CpuPageLayout, LookupServer, WorkerSide
+from tiers.types import ConfigError, TierKVError, TierUnavailableError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.tierkv")  # under vLLM's logger, so its handler shows our lines
+
+
+@dataclass
+class TierKVMetadata(KVConnectorMetadata):
+    """One step's plan, scheduler -> workers."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class TierKVWorkerMeta(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: requests whose load stopped short (req_id -> tokens loaded)."""
+
+    failed: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TierKVWorkerMeta":
+        merged = dict(self.failed)
+        for req_id, good in getattr(other, "failed", {}).items():
+            merged[req_id] = min(good, merged.get(req_id, good))
+        return TierKVWorkerMeta(merged)
+
+
+@dataclass
+class TierKVStats(KVConnectorStats):
+    """Counter deltas for vLLM's "KV Transfer metrics" log line."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "TierKVStats":
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+# ------------------------------------------------------------------ clients
+_instances: "weakref.WeakSet[TierKVConnector]" = weakref.WeakSet()
+_clients: dict[str, list] = {}  # url -> [client, users, lookup server or None]
+_clients_lock = threading.Lock()
+
+
+def _acquire(url: str, worker: bool) -> CacheClient | RemoteLookup | None:
+    """One client per URL and process. An embedded store (local://) can be
+    opened by one process only: the worker, created first, owns it and serves
+    lookups (LookupServer); a scheduler in the same process shares it, one in
+    another process asks the worker (RemoteLookup)."""
+    with _clients_lock:
+        entry = _clients.get(url)
+        if entry is None:
+            entry = _clients[url] = [_open(url, worker), 0, None]
+            if worker and is_local(url) and isinstance(entry[0], TieredStore):
+                entry[2] = _serve_lookups(entry[0], url)
+        entry[1] += 1
+        return entry[0]
+
+
+def _open(url: str, worker: bool) -> CacheClient | RemoteLookup | None:
+    try:
+        return connect(url)
+    except TierUnavailableError as e:
+        if not worker and is_local(url):
+            log.info("tierkv: %s; the scheduler looks blocks up through the worker that owns it", e)
+            return RemoteLookup(lookup_address(url))
+        log.warning("tierkv: %s; the connector is disabled (vLLM runs without the cache)", e)
+        return None
+    except TierKVError as e:  # malformed URL: a configuration error, fail startup
+        raise ConfigError(f"kv_connector_extra_config.url: {e}") from e
+
+
+def _serve_lookups(store: TieredStore, url: str) -> LookupServer | None:
+    try:
+        return LookupServer(store, lookup_address(url))
+    except OSError as e:  # another process serves this store: ours is not the owner
+        log.warning("tierkv: cannot serve lookups for %s (%s)", url, e)
+        return None
+
+
+def _release(url: str) -> None:
+    with _clients_lock:
+        entry = _clients.get(url)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _clients[url]
+    _close(entry)
+
+
+def _close(entry: list) -> None:
+    client, _, server = entry
+    if server is not None:
+        server.close()
+    if client is not None:
+        client.close()  # flushes background writes
+
+
+@atexit.register
+def _close_all() -> None:
+    with _clients_lock:
+        entries = list(_clients.values())
+        _clients.clear()
+    for entry in entries:
+        _close(entry)
+
+
+def build_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: TierKVConfig,
+                    tp_rank: int) -> tuple[Namespace, int]:
+    """The store namespace of this vLLM instance and vLLM's block size."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(f"TierKVConnector supports one KV cache group, vLLM has {len(groups)} "
+                          f"(hybrid or sliding-window models are not supported)")
+    spec = groups[0].kv_cache_spec
+    head_dim, heads = getattr(spec, "head_size", None), getattr(spec, "num_kv_heads", None)
+    if head_dim is None or heads is None or getattr(spec, "head_size_v", head_dim) != head_dim:
+        raise ConfigError(f"TierKVConnector needs standard attention KV, got {type(spec).__name__}")
+    dtype = str(spec.dtype).removeprefix("torch.")
+    if dtype not in KV_DTYPES:
+        raise ConfigError(f"KV cache dtype {dtype} is not one tierkv stores ({', '.join(KV_DTYPES)})")
+    mc = vllm_config.model_config
+    model = str(mc.model)
+    if Path(model).is_dir():
+        model_id, revision = model_id_for_dir(model), ""
+    else:
+        model_id, revision = model, str(mc.revision or "")
+    page = spec.block_size
+    if page % cfg.block_tokens and cfg.block_tokens % page:
+        raise ConfigError(f"kv_connector_extra_config.block_tokens {cfg.block_tokens} must divide or be a "
+                          f"multiple of vLLM's block_size {page}")
+    ns = Namespace(model_id, dtype, len(groups[0].layer_names), heads, head_dim, block_tokens=cfg.block_tokens,
+                   model_revision=revision, tp_rank=tp_rank,
+                   tp_world=vllm_config.parallel_config.tensor_parallel_size, tenant_salt=cfg.tenant)
+    return ns, page
+
+
+def learn_cpu_page_layout(vllm_config: "VllmConfig", dtype: torch.dtype, page: int, head_dim: int
+                          ) -> CpuPageLayout:
+    """How vLLM's CPU attention packs one (page, head) K/V region, learned by
+    writing probe tokens with vLLM's own cache writer: once with every value
+    set to its token index, once to its head-dim index. The packing depends on
+    the ISA vLLM picked (vec, vec16, AMX, NEON, ...), so it is read, not assumed."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if str(cache_dtype).startswith("fp8"):
+        raise ConfigError("TierKVConnector does not support an fp8 KV cache on vLLM's CPU backend")
+    isa = _get_attn_isa(vllm_config.model_config.dtype, page, head_dim, cache_dtype)
+    if max(page, head_dim) > 256:  # probe values must be exact in bf16
+        raise ConfigError(f"CPU page layout probe needs block_size and head_dim <= 256, got {page}, {head_dim}")
+    region = torch.zeros(1, 1, 2 * page, head_dim, dtype=dtype)
+    k_cache, v_cache = region.chunk(2, dim=2)  # the backend's own view of one page of one head
+    slots = torch.arange(page, dtype=torch.int64)
+    seen = []
+    for probe in (torch.arange(page).view(page, 1, 1), torch.arange(head_dim).view(1, 1, head_dim)):
+        values = probe.expand(page, 1, head_dim).to(dtype).contiguous()
+        ops.cpu_attn_reshape_and_cache(values, values, k_cache, v_cache, slots, isa)
+        seen.append(region.reshape(-1).to(torch.int64))
+    pos = torch.arange(2 * page * head_dim)
+    index = torch.full((2, page, head_dim), -1, dtype=torch.int64)
+    index[pos // (page * head_dim), seen[0], seen[1]] = pos
+    layout = CpuPageLayout(index)  # raises unless every element landed exactly once
+    log.info("tierkv: vLLM CPU attention ISA %s packs pages as %s", isa, layout.kind)
+    return layout
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except AssertionError:  # no TP group: a single worker
+        return 0
+
+
+def _request_tenant(request: "Request", tenant: str) -> str | None:
+    """The tenant salt of a request, or None when its KV is not a function of token ids alone."""
+    if request.lora_request is not None or request.mm_features or request.prompt_embeds is not None:
+        return None
+    salt = getattr(request, "cache_salt", None)
+    return f"{tenant}|cache_salt={salt}" if salt else tenant
+
+
+class TierKVConnector(KVConnectorBase_V1):
+    """tierkv's vLLM V1 KV connector (see the module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.cfg = TierKVConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        is_worker = role == KVConnectorRole.WORKER
+        self.ns, self.page_tokens = build_namespace(vllm_config, kv_cache_config, self.cfg,
+                                                    _tp_rank() if is_worker else 0)
+        self.client = _acquire(self.cfg.url, worker=is_worker)
+        self._closed = False
+        self._reported: dict[str, float] = {}
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        _instances.add(self)
+        if self.client is None:
+            return
+        if is_worker:
+            self.worker = WorkerSide(self.client, self.ns, self.page_tokens)
+        else:
+            # vLLM reads the policy after building the scheduler's connector
+            self._kv_transfer_config.kv_load_failure_policy = self.cfg.load_failure
+            self.scheduler = SchedulerSide(self.client, self.ns, self.page_tokens)
+        log.info("tierkv: %s connector on %s, namespace %s (%s)", role.name.lower(), self.cfg.url,
+                 self.ns.fingerprint().hex(), self.ns.model_id)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, never lost output
+
+    # ================================================================ worker
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.worker is None:
+            return
+        first = next(iter(kv_caches.values()))
+        layout = None
+        if first.device.type == "cpu" and first.dim() == 4:
+            layout = learn_cpu_page_layout(self._vllm_config, first.dtype, self.page_tokens, self.ns.head_dim)
+        # a step saves at most what it computed (plus the page it started in)
+        step_tokens = self._vllm_config.scheduler_config.max_num_batched_tokens + self.page_tokens
+        self.worker.register(kv_caches, layout, reserve_tokens=step_tokens)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if self.worker is not None and isinstance(meta, TierKVMetadata) and meta.loads:
+            self.worker.load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves copy every layer at once in wait_for_save, after the forward
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if self.worker is not None and isinstance(meta, TierKVMetadata) and meta.saves:
+            self.worker.save(meta.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_invalid_pages() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self) -> TierKVWorkerMeta | None:
+        if self.worker is None:
+            return None
+        failed = self.worker.take_failed()
+        return TierKVWorkerMeta(failed) if failed else None
+
+    def get_kv_connector_stats(self) -> TierKVStats | None:
+        side = self.worker or self.scheduler
+        if side is None:
+            return None
+        now = _as_dict(side.stats)
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        return TierKVStats(data=delta) if any(delta.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierKVStats:
+        return TierKVStats(data=dict(data or {}))
+
+    # ============================================================= scheduler
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        tenant = _request_tenant(request, self.cfg.tenant)
+        if self.scheduler is None or tenant is None:
+            return 0, False
+        n = self.scheduler.matched_tokens(request.request_id, request.all_token_ids, num_computed_tokens, tenant)
+        return n, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if self.scheduler is not None and num_external_tokens > 0:
+            self.scheduler.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TierKVMetadata:
+        if self.scheduler is None:
+            return TierKVMetadata()
+        scheduled = [(r.req_id, r.num_computed_tokens, scheduler_output.num_scheduled_tokens[r.req_id])
+                     for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled += [(req_id, computed, scheduler_output.num_scheduled_tokens[req_id])
+                      for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens)]
+        state = scheduler_output.kv_connector_block_state
+        assert state is not None, "vLLM >= 0.32 hands the connector the block state of scheduled requests"
+        loads, saves = self.scheduler.plan(scheduled, lambda req_id: state.get_block_ids(req_id)[0])
+        return TierKVMetadata(loads, saves)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self.scheduler is not None and isinstance(meta, TierKVWorkerMeta):
+            for req_id, good in meta.failed.items():
+                log.warning("tierkv: request %s loaded only %d tokens; vLLM recomputes the rest", req_id, good)
+                self.scheduler.load_failed(req_id, good)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is not None:
+            self.scheduler.finished(request.request_id)
+        return False, None  # saves are done synchronously within each step
+
+    # ================================================================ both
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            _release(self.cfg.url)
+
+
+def connectors_in_process() -> list[TierKVConnector]:
+    """The live TierKVConnector instances of this process (scheduler and/or
+    workers), for stats and debugging."""
+    return list(_instances)
+
+
+def _as_dict(stats: Any) -> dict[str, float]:
+    return {f: getattr(stats, f) for f in stats.__slots__}

@@ -1,0 +1,199 @@
+"""The vLLM connector's vLLM-free parts: extra config, scheduler planning,
+lookups across processes, and the worker's page <-> block copies against a
+real embedded store and caches laid out like vLLM's (checked by the oracle).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_service.keys import Namespace, prefix_hashes
+from connectors.client import connect
+from connectors.vllm_scheduler import RemoteLookup, SchedulerSide, TierKVConfig, Transfer, lookup_address
+from connectors.vllm_worker import CpuPageLayout, LookupServer, WorkerSide
+from tests.vllm.oracle import blocks_as_tokens, cpu_index, read_tokens, same, tokens
+from tiers.types import ConfigError, TierUnavailableError
+
+NS = Namespace("unit-model", "bfloat16", num_layers=2, kv_heads=2, head_dim=8, block_tokens=16)
+
+
+@pytest.fixture
+def client(tmp_path):
+    c = connect(f"local://{tmp_path}/store")
+    yield c
+    c.close()
+
+
+def fill(client, ids: list[int], n_blocks: int) -> None:
+    """Store the first n_blocks blocks of `ids` with random payloads."""
+    hs = prefix_hashes(NS, ids)[:n_blocks]
+    client.store(NS, hs, [torch.randn(NS.block_shape).to(torch.bfloat16) for _ in hs])
+
+
+# ------------------------------------------------------------- config
+
+
+def test_extra_config_errors_name_the_key():
+    # an unknown key, then a bad value of each key, are refused with its name
+    with pytest.raises(ConfigError, match="block_tokns"):
+        TierKVConfig.from_extra({"url": "local:///x", "block_tokns": 16})
+    for key, bad in [("block_tokens", 0), ("block_tokens", "16"), ("url", ""), ("tenant", 3), ("load_failure", "x")]:
+        with pytest.raises(ConfigError, match=key):
+            TierKVConfig.from_extra({key: bad})
+    assert TierKVConfig.from_extra(None) == TierKVConfig()
+
+
+# ------------------------------------------------------------- scheduler side
+
+
+def test_lookup_claims_page_aligned_prefix_and_never_the_whole_prompt(client):
+    sched = SchedulerSide(client, NS, page_tokens=128)
+    x = tokens(700, 1)
+    # nothing stored: nothing claimed
+    assert sched.matched_tokens("a", x, 0, "") == 0
+    # 20 blocks (320 tokens) stored: two whole pages are claimed
+    fill(client, x, 20)
+    assert sched.matched_tokens("a", x, 0, "") == 256
+    # everything stored: up to the last page boundary before the final token; asking twice changes nothing
+    fill(client, x, 43)
+    assert sched.matched_tokens("a", x, 0, "") == 640
+    assert sched.matched_tokens("a", x, 0, "") == 640
+    # vLLM's own prefix cache already has a page: only the rest is claimed
+    assert sched.matched_tokens("a", x, 128, "") == 512
+    # a prompt that is exactly pages long keeps its last page for vLLM to compute
+    assert sched.matched_tokens("b", x[:640], 0, "") == 512
+    # another tenant sees nothing
+    assert sched.matched_tokens("c", x, 0, "acme") == 0
+
+
+def test_plan_loads_after_alloc_then_saves_each_new_full_block(client):
+    sched = SchedulerSide(client, NS, page_tokens=128)
+    x = tokens(700, 2)
+    fill(client, x, 20)
+    pages = list(range(100, 106))
+    # vLLM accepts the 256 claimed tokens and allocates pages
+    assert sched.matched_tokens("r", x, 0, "") == 256
+    sched.allocated("r", pages, 256)
+    # step 1 (a 300-token prefill chunk): load [0, 256)
+    loads, saves = sched.plan([("r", 256, 44)], lambda _: pages)
+    assert [(t.start, t.end, t.page_ids) for t in loads] == [(0, 256, [100, 101])]
+    assert saves == []  # 300 tokens have KV, the store already holds 320
+    # step 2: the rest of the prompt; blocks from 320 on are saved, from the page holding token 320
+    loads, saves = sched.plan([("r", 300, 400)], lambda _: pages)
+    assert loads == [] and [(t.start, t.end, t.page_ids) for t in saves] == [(320, 688, [102, 103, 104, 105])]
+    assert saves[0].token_ids == x[:688]
+    # decode reaches the next block boundary: one block saved
+    x.extend(tokens(16, 3))
+    assert sched.plan([("r", 700, 1)], lambda _: pages) == ([], [])
+    _, saves = sched.plan([("r", 703, 1)], lambda _: pages)
+    assert [(t.start, t.end, t.page_ids) for t in saves] == [(688, 704, [105])]
+    # a worker reports that only 128 tokens loaded: those after are saved again once recomputed
+    sched.load_failed("r", 128)
+    _, saves = sched.plan([("r", 704, 1)], lambda _: pages)
+    assert [(t.start, t.end) for t in saves] == [(128, 704)]
+    sched.finished("r")
+    assert sched.plan([("r", 705, 1)], lambda _: pages) == ([], [])
+
+
+def test_scheduler_in_another_process_looks_up_through_the_worker(tmp_path):
+    # the worker owns the embedded store and serves lookups; a second open of the directory is refused
+    url = f"local://{tmp_path}/store"
+    store = connect(url)
+    server = LookupServer(store, lookup_address(url))
+    try:
+        with pytest.raises(TierUnavailableError):
+            connect(url)
+        x = tokens(700, 9)
+        fill(store, x, 20)
+        remote = RemoteLookup(lookup_address(url))
+        # the remote view answers exactly what the store answers, and plans the same loads
+        hs = prefix_hashes(NS, x)
+        assert remote.lookup(hs) == store.lookup(hs) == 20
+        assert SchedulerSide(remote, NS, 128).matched_tokens("r", x, 0, "") == 256
+        remote.close()
+    finally:
+        server.close()
+        store.close()
+    # no owner any more: a lookup is a miss, not an error
+    assert RemoteLookup(lookup_address(url), timeout_s=1).lookup(hs) == 0
+
+
+# ------------------------------------------------------------- worker side
+
+
+def vllm_cache(layout: str, pages: int, page: int, seed: int) -> dict[str, torch.Tensor]:
+    """Per-layer caches shaped like vLLM's, as views of one buffer (as vLLM allocates them)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (pages, NS.kv_heads, page, 2 * NS.head_dim) if layout == "cpu" else \
+        (2, pages, page, NS.kv_heads, NS.head_dim)
+    n = torch.Size(shape).numel()
+    buf = torch.randn(NS.num_layers * n, generator=g).to(torch.bfloat16)
+    return {f"model.layers.{i}.self_attn.attn": buf[i * n:(i + 1) * n].view(shape) for i in range(NS.num_layers)}
+
+
+def test_cpu_page_layout_recognizes_packings():
+    # token-major and K-transposed packings get fast paths; anything else is a permutation
+    assert CpuPageLayout(cpu_index("tokens", 128, 8)).kind == "tokens"
+    assert CpuPageLayout(cpu_index("k_transposed", 128, 8)).kind == "k_transposed"
+    assert CpuPageLayout(cpu_index("permuted", 16, 8)).kind == "permuted"
+    # an index that drops an element is refused
+    bad = cpu_index("tokens", 16, 8)
+    bad[1, 0, 0] = 0
+    with pytest.raises(ConfigError, match="permutation"):
+        CpuPageLayout(bad)
+
+
+@pytest.mark.parametrize("layout,page,packing", [
+    ("cpu", 128, "k_transposed"), ("cpu", 128, "tokens"), ("cpu", 16, "permuted"), ("cpu", 32, "k_transposed"),
+    ("cpu", 8, "k_transposed"),
+    ("flash", 16, None), ("flash", 32, None), ("flash", 8, None)])
+def test_worker_saves_and_loads_through_the_store(client, layout, page, packing):
+    x = tokens(300, 4)
+    index = cpu_index(packing, page, NS.head_dim, seed=page) if packing else None
+    packed = CpuPageLayout(index) if packing else None
+    src = vllm_cache(layout, 48, page, seed=5)
+    n_pages = -(-300 // page)
+    src_pages = list(range(3, 3 + n_pages))
+    worker = WorkerSide(client, NS, page)
+    worker.register(src, packed)
+    # two prefill chunks are saved: [0, 160) then [160, 288)
+    worker.save([Transfer("r", x[:160], 0, 160, src_pages[: -(-160 // page)])])
+    first = 160 // page
+    worker.save([Transfer("r", x[:288], 160, 288, src_pages[first: -(-288 // page)])])
+    layers = [src[k] for k in sorted(src)]
+    # the store holds, in canonical order, exactly what the oracle reads from vLLM's pages
+    stored = client.load(NS, prefix_hashes(NS, x[:288]))
+    assert same(blocks_as_tokens(stored), read_tokens(layers, src_pages, 0, 0, 288, index))
+    # a new cache (other pages) loads the aligned prefix and reads back the same bits
+    dst = vllm_cache(layout, 48, page, seed=6)
+    align = max(page, NS.block_tokens)
+    end = 288 // align * align
+    dst_pages = list(range(40, 40 - end // page, -1))
+    fresh = WorkerSide(client, NS, page)
+    fresh.register(dst, packed)
+    fresh.load([Transfer("r", x[:end], 0, end, dst_pages)])
+    assert fresh.failed == {} and fresh.take_invalid_pages() == set()
+    got = read_tokens([dst[k] for k in sorted(dst)], dst_pages, 0, 0, end, index)
+    assert same(got, read_tokens(layers, src_pages, 0, 0, end, index))
+    assert fresh.stats.blocks_loaded == end // 16
+
+
+def test_missing_block_ends_the_load_and_reports_pages(client):
+    x = tokens(700, 7)
+    fill(client, x, 40)
+    # block 20 (tokens 320-335, page 2) disappears from the store
+    client.delete(prefix_hashes(NS, x)[20:21])
+    cache = vllm_cache("cpu", 16, 128, seed=8)
+    worker = WorkerSide(client, NS, 128)
+    worker.register(cache, CpuPageLayout(cpu_index("k_transposed", 128, NS.head_dim)))
+    pages = [9, 8, 7, 6, 5]
+    worker.load([Transfer("r", x[:640], 0, 640, pages)])
+    # pages from the one holding the missing block on are reported; two pages were loaded
+    assert worker.take_invalid_pages() == {7, 6, 5}
+    assert worker.failed == {"r": 256}
+    assert worker.stats.blocks_loaded == 16 and worker.stats.blocks_failed == 20
+    # the same step's save of that request is skipped (its KV was computed on bad context)
+    before = worker.stats.blocks_saved
+    worker.save([Transfer("r", x[:700], 640, 688, [5])])
+    assert worker.stats.blocks_saved == before
+    assert worker.take_failed() == {"r": 256} and worker.failed == {}
