@@ -4,12 +4,11 @@ Canonical block buffer: ``[n, L, 2, block_tokens, kv_heads, head_dim]``
 contiguous (see ``kernels/paged_copy.py``). vLLM registers one cache tensor
 per attention layer, in a backend-specific layout:
 
-- CPU attention: ``(num_blocks, kv_heads, block_size, 2 * head_dim)`` as
-  registered, which the backend reinterprets per block as
-  ``[kv_heads, 2 * block_size, head_dim]``: for each (block, head) the first
-  ``block_size`` rows are K and the next ``block_size`` rows are V. We view it
-  as ``[num_blocks, kv_heads, 2, block_size, head_dim]``. vLLM's block size
-  must equal ``block_tokens``; pure torch, since it only runs on CPU.
+- CPU attention: not here. vLLM's CPU backend packs each page according to
+  the instruction set it detects (K transposed to ``[head_dim, block_size]``
+  on AVX-512, another packing with AMX), so no fixed adapter is right; the
+  vLLM connector learns the packing at start-up by writing probe values
+  through vLLM's own cache writer (``connectors/vllm_worker.py``).
 - CUDA flash-attention: ``[2, num_blocks, block_size, kv_heads, head_dim]``,
   i.e. one layer of our engine's paged cache, so the page-copy Triton kernel
   serves it with one launch per layer; ``block_tokens`` may span several vLLM
@@ -37,59 +36,6 @@ def _check_layers(layers: list[Tensor], rank: int, what: str) -> Tensor:
         )
         require(layer.is_contiguous(), f"layer {i} must be contiguous")
     return first
-
-
-# ---------------------------------------------------------------- CPU attention
-
-
-def _cpu_geometry(layers: list[Tensor]) -> tuple[int, int, int, int]:
-    first = _check_layers(layers, 4, "(num_blocks, kv_heads, block_size, 2 * head_dim)")
-    num_blocks, heads, block_size, two_d = first.shape
-    require(two_d % 2 == 0, f"last dim (2 * head_dim) must be even, got {two_d}")
-    return num_blocks, heads, block_size, two_d // 2
-
-
-def _cpu_pairs(layers: list[Tensor], blocks: Tensor, geometry: tuple[int, int, int, int]):
-    """Per layer: (vLLM view [NB, H, 2, bs, D], block view [n, H, 2, bs, D]) as words."""
-    num_blocks, heads, block_size, head_dim = geometry
-    for layer_idx, layer in enumerate(layers):
-        cache = layer.view(num_blocks, heads, 2, block_size, head_dim)
-        # Strided view of the canonical [n, 2, bs, H, D] slice: no staging copy.
-        yield as_words(cache, blocks[:, layer_idx].permute(0, 3, 1, 2, 4))
-
-
-def gather_vllm_cpu(layers: list[Tensor], block_ids: Tensor, out: Tensor | None = None) -> Tensor:
-    """Copy vLLM CPU-attention blocks ``block_ids [n]`` into canonical blocks.
-
-    Returns ``out [n, L, 2, block_size, kv_heads, head_dim]`` (allocated when None).
-    """
-    geometry = _cpu_geometry(layers)
-    num_blocks, heads, block_size, head_dim = geometry
-    first = layers[0]
-    require(block_ids.dim() == 1, f"block_ids must be [n], got {tuple(block_ids.shape)}")
-    ids = check_page_ids(block_ids.reshape(-1, 1), num_blocks, first.device, unique=False).long()
-    shape = (block_ids.shape[0], len(layers), 2, block_size, heads, head_dim)
-    if out is None:
-        out = torch.empty(shape, dtype=first.dtype, device=first.device)
-    else:
-        check_blocks(out, shape, first, "out")
-    if ids.numel():
-        for cache, dst in _cpu_pairs(layers, out, geometry):
-            torch.index_select(cache, 0, ids, out=dst)
-    return out
-
-
-def scatter_vllm_cpu(blocks: Tensor, block_ids: Tensor, layers: list[Tensor]) -> None:
-    """Write canonical ``blocks [n, L, 2, block_size, H, D]`` into vLLM CPU blocks ``block_ids``."""
-    geometry = _cpu_geometry(layers)
-    num_blocks, heads, block_size, head_dim = geometry
-    first = layers[0]
-    require(block_ids.dim() == 1, f"block_ids must be [n], got {tuple(block_ids.shape)}")
-    ids = check_page_ids(block_ids.reshape(-1, 1), num_blocks, first.device, unique=True).long()
-    check_blocks(blocks, (block_ids.shape[0], len(layers), 2, block_size, heads, head_dim), first, "blocks")
-    if ids.numel():
-        for cache, src in _cpu_pairs(layers, blocks, geometry):
-            cache.index_copy_(0, ids, src)
 
 
 # ------------------------------------------------------- CUDA flash-attention

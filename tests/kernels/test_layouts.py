@@ -1,15 +1,15 @@
-"""vLLM layout adapters: CPU attention (torch) and flash attention (Triton vs torch).
+"""vLLM flash-attention layout adapter (Triton vs torch).
 
-The expected canonical blocks are derived from vLLM's own reading of each
-layout (CPU: a block is [H, 2*block_size, D], K rows then V rows; flash:
-[2, num_blocks, block_size, H, D]), written as naive per-block loops.
+The expected canonical blocks are derived from vLLM's own reading of the
+layout ([2, num_blocks, block_size, H, D]), written as naive per-block loops.
+(The CPU layout is learned at run time: tests/vllm.)
 """
 
 import pytest
 import torch
 
 from kernels import gather_blocks
-from kernels.layouts import gather_vllm_cpu, gather_vllm_flash, scatter_vllm_cpu, scatter_vllm_flash
+from kernels.layouts import gather_vllm_flash, scatter_vllm_flash
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 L, NB, BS, H, D = 3, 12, 4, 2, 8
@@ -25,22 +25,6 @@ def randn(*shape, dtype, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def cpu_layers(dtype, seed=0):
-    """vLLM CPU-attention caches, one (num_blocks, H, block_size, 2*D) tensor per layer."""
-    return [randn(NB, H, BS, 2 * D, dtype=dtype, seed=seed + i) for i in range(L)]
-
-
-def naive_from_cpu(layers, block_ids):
-    """Canonical blocks as vLLM's CPU backend reads them: K rows, then V rows."""
-    out = torch.empty(len(block_ids), L, 2, BS, H, D, dtype=layers[0].dtype)
-    for b, block in enumerate(block_ids.tolist()):
-        for layer_idx, layer in enumerate(layers):
-            rows = layer[block].reshape(H, 2 * BS, D)  # the backend's reinterpretation
-            out[b, layer_idx, 0] = rows[:, :BS].transpose(0, 1)
-            out[b, layer_idx, 1] = rows[:, BS:].transpose(0, 1)
-    return out
-
-
 def flash_layers(dtype, seed=0):
     """vLLM flash-attention caches, one [2, num_blocks, block_size, H, D] tensor per layer."""
     return [randn(2, NB, BS, H, D, dtype=dtype, seed=seed + i) for i in range(L)]
@@ -54,43 +38,6 @@ def naive_from_flash(layers, page_ids):
             for layer_idx, layer in enumerate(layers):
                 out[b, layer_idx, :, j * BS : (j + 1) * BS] = layer[:, page]
     return out
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_cpu_gather_reads_k_then_v_rows(dtype):
-    # Scattered vLLM block ids of a CPU-attention cache.
-    layers = cpu_layers(dtype)
-    block_ids = torch.tensor([7, 2, 9, 0])
-    # The canonical blocks match vLLM's own K/V reading of each block.
-    out = gather_vllm_cpu(layers, block_ids)
-    assert out.shape == (4, L, 2, BS, H, D)
-    assert torch.equal(out, naive_from_cpu(layers, block_ids))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_cpu_scatter_round_trips_and_spares_other_blocks(dtype):
-    # Fresh canonical blocks written into three scattered vLLM blocks.
-    layers = cpu_layers(dtype, seed=5)
-    before = [t.clone() for t in layers]
-    block_ids = torch.tensor([4, 11, 1], dtype=torch.int32)
-    blocks = randn(3, L, 2, BS, H, D, dtype=dtype, seed=9)
-    scatter_vllm_cpu(blocks, block_ids, layers)
-    # vLLM now reads exactly those blocks there ...
-    assert torch.equal(naive_from_cpu(layers, block_ids), blocks)
-    assert torch.equal(gather_vllm_cpu(layers, block_ids), blocks)
-    # ... and every other block of every layer is untouched.
-    others = [b for b in range(NB) if b not in (4, 11, 1)]
-    for layer, old in zip(layers, before):
-        assert torch.equal(layer[others], old[others])
-
-
-def test_cpu_gather_fills_a_pool_slice():
-    # The destination is the head of a larger preallocated pool.
-    layers = cpu_layers(torch.bfloat16)
-    pool = torch.zeros(5, L, 2, BS, H, D, dtype=torch.bfloat16)
-    gather_vllm_cpu(layers, torch.tensor([3, 8]), out=pool[:2])
-    assert torch.equal(pool[:2], naive_from_cpu(layers, torch.tensor([3, 8])))
-    assert not pool[2:].any()
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
@@ -140,24 +87,15 @@ def test_flash_round_trip_is_identity():
 
 def _bad_cases():
     """Malformed adapter calls, each with the phrase its error must contain."""
-    cpu, flash = cpu_layers(torch.float32), flash_layers(torch.float32)
-    cpu_blocks = gather_vllm_cpu(cpu, torch.tensor([0, 1]))
+    flash = flash_layers(torch.float32)
+    blocks = randn(2, L, 2, BS, H, D, dtype=torch.float32, seed=7)
     ids2 = torch.tensor([[0], [1]])
     return {
-        "cpu no layers": (lambda: gather_vllm_cpu([], torch.tensor([0])), "must not be empty"),
-        "cpu rank": (lambda: gather_vllm_cpu([t[0] for t in cpu], torch.tensor([0])), "2 \\* head_dim"),
-        "cpu odd last dim": (lambda: gather_vllm_cpu([t[..., :-1].contiguous() for t in cpu], torch.tensor([0])), "even"),
-        "cpu mixed layers": (lambda: gather_vllm_cpu([cpu[0], cpu[1].half()], torch.tensor([0])), "layer 1"),
-        "cpu strided layer": (lambda: gather_vllm_cpu([cpu[0].transpose(1, 2)], torch.tensor([0])), "contiguous"),
-        "cpu ids rank": (lambda: gather_vllm_cpu(cpu, ids2), "block_ids must be \\[n\\]"),
-        "cpu ids range": (lambda: gather_vllm_cpu(cpu, torch.tensor([NB])), "must lie in"),
-        "cpu out shape": (lambda: gather_vllm_cpu(cpu, torch.tensor([0]), out=cpu_blocks), "out must have shape"),
-        "cpu duplicate": (lambda: scatter_vllm_cpu(cpu_blocks, torch.tensor([3, 3]), cpu), "must not repeat"),
         "flash kv dim": (lambda: gather_vllm_flash([t[:1] for t in flash], ids2), "must be 2"),
         "flash rank": (lambda: gather_vllm_flash([t[0] for t in flash], ids2), "num_blocks, block_size"),
         "flash ids range": (lambda: gather_vllm_flash(flash, ids2 - 1), "must lie in"),
         "flash blocks dtype": (
-            lambda: scatter_vllm_flash(cpu_blocks.half().reshape(2, L, 2, BS, H, D), ids2, flash),
+            lambda: scatter_vllm_flash(blocks.half(), ids2, flash),
             "dtype",
         ),
     }
