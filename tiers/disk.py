@@ -2,7 +2,8 @@
 
 Layout under `root`:
 
-    data/<hh>/<hash hex>   block objects (hh = first byte of the hash, hex)
+    data/<hash hex>        block objects (one flat directory: a batch of puts
+                           then costs one directory fsync, not one per file)
     quarantine/            files that failed verification, kept for forensics
     index.lmdb/            hash -> (file size, xxh3_64 of the file, last access ns)
     LOCK                   flock held by the one process that owns the tier
@@ -98,8 +99,7 @@ class DiskTier(Tier):
 
     def _make_dirs(self) -> None:
         self._quarantine_dir.mkdir(parents=True, exist_ok=True)
-        for b in range(256):  # all fan-out dirs exist up front: a put never creates one
-            (self._data / f"{b:02x}").mkdir(parents=True, exist_ok=True)
+        self._data.mkdir(parents=True, exist_ok=True)
         if self.fsync:
             _fsync_dir(self._data)
             _fsync_dir(self.root)
@@ -110,18 +110,15 @@ class DiskTier(Tier):
         with self._env.begin() as txn:
             entries = {BlockHash(bytes(k)): _Entry(*_ENTRY.unpack(v)) for k, v in txn.cursor()}
         kept: dict[BlockHash, _Entry] = {}
-        for hh in os.scandir(self._data):
-            if not hh.is_dir(follow_symlinks=False):
-                continue
-            for f in os.scandir(hh.path):
-                if not f.is_file(follow_symlinks=False):
-                    continue  # not ours to judge: nothing here ever makes a directory
-                h = _parse_name(f.name, hh.name)
-                e = entries.get(h) if h is not None else None
-                if e is not None and f.stat().st_size == e.size:
-                    kept[h] = e
-                else:
-                    _unlink_quiet(f.path)
+        for f in os.scandir(self._data):
+            if not f.is_file(follow_symlinks=False):
+                continue  # not ours to judge: nothing here ever makes a directory
+            h = _parse_name(f.name)
+            e = entries.get(h) if h is not None else None
+            if e is not None and f.stat().st_size == e.size:
+                kept[h] = e
+            else:
+                _unlink_quiet(f.path)
         dropped = [h for h in entries if h not in kept]
         if dropped:
             log.warning("disk tier %s: dropping %d index entries without a valid file", self.root, len(dropped))
@@ -133,7 +130,7 @@ class DiskTier(Tier):
 
     def path_of(self, h: BlockHash) -> Path:
         """Where the data file of `h` lives (whether or not it exists)."""
-        return self._data / f"{h[0]:02x}" / h.hex()
+        return self._data / h.hex()
 
     def footprint(self, nbytes: int) -> int:
         if nbytes > self.capacity_bytes:
@@ -380,9 +377,9 @@ def _lock_root(root: Path) -> int:
     return fd
 
 
-def _parse_name(name: str, fanout: str) -> BlockHash | None:
+def _parse_name(name: str) -> BlockHash | None:
     """The hash a data file is named after, or None for anything else."""
-    if len(name) != 2 * HASH_BYTES or name[:2] != fanout or name.strip(_HEX_DIGITS):
+    if len(name) != 2 * HASH_BYTES or name.strip(_HEX_DIGITS):
         return None
     return BlockHash(bytes.fromhex(name))
 

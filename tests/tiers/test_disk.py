@@ -38,16 +38,16 @@ def child(*args: str, **kw) -> subprocess.Popen:
 
 
 def temp_files(root: Path) -> list[Path]:
-    return list((root / "data").glob("*/.tmp-*"))
+    return list((root / "data").glob(".tmp-*"))
 
 
 def test_round_trip_on_disk_layout(tmp_path):
     tier = DiskTier(tmp_path, 8 * MB)
     hs = keys(5)
     assert tier.put_many(hs, [block_for(h) for h in hs]) == [True] * 5
-    # Files sit under data/<first byte hex>/<hash hex>; no temp file is left behind.
+    # Files sit under data/<hash hex>; no temp file is left behind.
     for h in hs:
-        assert tier.path_of(h) == tmp_path / "data" / h.hex()[:2] / h.hex()
+        assert tier.path_of(h) == tmp_path / "data" / h.hex()
         assert tier.path_of(h).stat().st_size == block_for(h).numel()
     assert temp_files(tmp_path) == []
     # Reads are byte-exact; an unknown hash is a miss.
@@ -155,7 +155,7 @@ def test_open_removes_orphans_and_temp_files(tmp_path):
     tier.put_many([held], [block_for(held)])
     tier.close()
     # A complete file the index never heard of, and a temp file of an interrupted put.
-    orphan_path = tmp_path / "data" / orphan.hex()[:2] / orphan.hex()
+    orphan_path = tmp_path / "data" / orphan.hex()
     orphan_path.write_bytes(block_for(orphan).numpy().tobytes())
     stray_tmp = orphan_path.with_name(f".tmp-{orphan.hex()}-999-0")
     stray_tmp.write_bytes(b"half a block")
@@ -285,7 +285,7 @@ def test_sigkill_mid_write_never_leaves_a_torn_block(tmp_path):
         got = tier.get_many(held)
         assert all(g is not None and torch.equal(g, block_for(h)) for g, h in zip(got, held))
         assert tier.stats.corrupt == 0 and tier.stats.used_bytes <= capacity
-        on_disk = {p.name for p in (tmp_path / "data").glob("*/*")}
+        on_disk = {p.name for p in (tmp_path / "data").glob("*") if not p.name.startswith(".")}
         assert on_disk == {h.hex() for h in held}
         tier.close()
         rounds += 1
