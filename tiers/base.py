@@ -85,6 +85,10 @@ class Tier(ABC):
         """Bytes of capacity an object of `nbytes` would consume here."""
         return nbytes
 
+    def note_namespace(self, fingerprint: bytes) -> None:
+        """The store is about to load blocks of this namespace (a tier whose
+        keys include it, like S3's, uses the hint to find blocks it never saw)."""
+
     def quarantine(self, hashes: Iterable[BlockHash]) -> None:
         """Take objects that failed verification out of service (a tier that
         can keep them aside for inspection overrides this)."""

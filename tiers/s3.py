@@ -1,10 +1,13 @@
 """S3 tier: block objects as S3 objects, shared by every node on the bucket.
 
-Keys are content-addressed, ``<prefix>/<hh>/<hash hex>`` (hh = first hash
-byte in hex, spreading keys over 256 S3 partitions). No namespace segment:
-hashes chain from ``h_-1 = namespace fingerprint``, so two namespaces share a
-hash only by an xxh3_128 collision, and any node names a block from its hash
-alone (the header still carries the namespace; the store checks it on load).
+Keys are content-addressed, ``<prefix>/<namespace hex>/<hh>/<hash hex>``
+(hh = first hash byte in hex, spreading keys over 256 S3 partitions), so a
+namespace (a model, a layout, a tenant) can be listed, expired or deleted by
+prefix. The tier reads the namespace of a put from the object's header
+(bytes 8..24, see cache_service/objects.py); for reads it knows the
+namespace of every block it listed or wrote, and the store tells it the
+namespaces it loads under (`note_namespace`), so a block another node wrote
+is found with one GET per namespace in use (usually one).
 
 Visibility and capacity. S3 cannot say cheaply which of N keys exist, and the
 store calls ``contains_many`` on hot paths (every lookup, every new block on
@@ -51,6 +54,12 @@ from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError
 log = logging.getLogger(__name__)
 
 _MAX_FOREIGN = 1 << 20  # blocks remembered from other nodes (oldest forgotten first)
+_NO_NS = "0" * 32  # objects too short to carry a header (never written by the store)
+
+
+def _namespace_of(obj: torch.Tensor) -> str:
+    """Namespace fingerprint (hex) from a block object's header, bytes 8..24."""
+    return bytes(obj[8:24].tolist()).hex() if obj.numel() >= 24 else _NO_NS
 _DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 limit)
 T = TypeVar("T")
 
@@ -95,6 +104,8 @@ class S3Tier(Tier):
         self._lock = threading.Lock()
         self._index: dict[BlockHash, list[int]] = {}  # counted blocks: hash -> [size, last use ns]
         self._foreign: dict[BlockHash, int] = {}  # found, not counted: hash -> size
+        self._ns: dict[BlockHash, str] = {}  # namespace hex of every block in _index or _foreign
+        self._namespaces: dict[str, None] = {}  # namespaces seen or noted, most recent last
         self._used = self._reserved = 0
         self._down_until = 0.0
         self._ready = False  # bucket checked/created
@@ -104,9 +115,22 @@ class S3Tier(Tier):
 
     # -- opening ----------------------------------------------------------------
 
-    def key_of(self, h: BlockHash) -> str:
-        """The S3 key of block `h`."""
-        return f"{self.prefix}/{h[0]:02x}/{h.hex()}"
+    def key_of(self, h: BlockHash, ns: str | None = None) -> str:
+        """The S3 key of block `h` in namespace `ns` (hex; default: the one
+        this tier knows the block under)."""
+        ns = ns or self._ns.get(h) or _NO_NS
+        return f"{self.prefix}/{ns}/{h[0]:02x}/{h.hex()}"
+
+    def note_namespace(self, fingerprint: bytes) -> None:
+        """The store loads blocks of this namespace: look for unknown blocks there."""
+        with self._lock:
+            self._namespaces.pop(fingerprint.hex(), None)
+            self._namespaces[fingerprint.hex()] = None  # most recent last
+
+    def _candidates(self, h: BlockHash) -> list[str]:
+        with self._lock:
+            known = self._ns.get(h)
+            return [known] if known else list(reversed(self._namespaces))
 
     def _open(self) -> None:
         """Make sure the bucket exists and index what it holds. An unreachable
@@ -121,8 +145,9 @@ class S3Tier(Tier):
             return
         found = self._list()
         with self._lock:
-            for h, (size, mtime) in found.items():
+            for h, (size, mtime, ns) in found.items():
                 self._index[h] = [size, mtime]
+                self._learn(h, ns)
             self._used = sum(e[0] for e in self._index.values())
             self.stats.add(blocks=len(self._index), used_bytes=self._used)
 
@@ -130,13 +155,18 @@ class S3Tier(Tier):
         s3_io.ensure_bucket(self._client, self.bucket)
         self._ready = True
 
-    def _list(self) -> dict[BlockHash, tuple[int, int]]:
-        """hash -> (size, last-modified ns) of every block under the prefix; a
-        listing cut short by a failure keeps what it got."""
-        found: dict[BlockHash, tuple[int, int]] = {}
+    def _learn(self, h: BlockHash, ns: str) -> None:
+        """Caller holds the lock: block `h` lives under namespace `ns`."""
+        self._ns[h] = ns
+        self._namespaces.setdefault(ns, None)
+
+    def _list(self) -> dict[BlockHash, tuple[int, int, str]]:
+        """hash -> (size, last-modified ns, namespace hex) of every block under
+        the prefix; a listing cut short by a failure keeps what it got."""
+        found: dict[BlockHash, tuple[int, int, str]] = {}
         try:
-            for h, size, mtime in s3_io.list_blocks(self._client, self.bucket, self.prefix):
-                found[h] = (size, mtime)
+            for h, size, mtime, ns in s3_io.list_blocks(self._client, self.bucket, self.prefix):
+                found[h] = (size, mtime, ns)
         except (BotoCoreError, ClientError) as e:
             self._fail("list", self.prefix, e)
         return found
@@ -146,7 +176,9 @@ class S3Tier(Tier):
         `contains_many`; returns how many were new. (Not counted in capacity.)"""
         found = self._list()
         with self._lock:
-            new = {h: s for h, (s, _) in found.items() if h not in self._index and h not in self._foreign}
+            new = {h: s for h, (s, _, _) in found.items() if h not in self._index and h not in self._foreign}
+            for h in new:
+                self._learn(h, found[h][2])
             self._remember_foreign(new)
         return len(new)
 
@@ -189,6 +221,7 @@ class S3Tier(Tier):
             for i in done:
                 self._foreign.pop(hashes[i], None)
                 self._index[hashes[i]] = [objs[i].numel(), stamp]
+                self._learn(hashes[i], _namespace_of(objs[i]))
             nbytes = sum(objs[i].numel() for i in done)
             self._used += nbytes
             self.stats.add(blocks=len(done), used_bytes=nbytes, bytes_in=nbytes)
@@ -201,9 +234,10 @@ class S3Tier(Tier):
         data = obj.cpu().numpy().tobytes()
         try:
             if len(data) >= self._transfer.multipart_threshold:
-                self._client.upload_fileobj(io.BytesIO(data), self.bucket, self.key_of(h), Config=self._transfer)
+                self._client.upload_fileobj(io.BytesIO(data), self.bucket, self.key_of(h, _namespace_of(obj)),
+                                            Config=self._transfer)
             else:
-                self._client.put_object(Bucket=self.bucket, Key=self.key_of(h), Body=data)
+                self._client.put_object(Bucket=self.bucket, Key=self.key_of(h, _namespace_of(obj)), Body=data)
             return True
         except (BotoCoreError, ClientError) as e:
             self._fail("put", h.hex(), e)
@@ -214,11 +248,12 @@ class S3Tier(Tier):
         have written them); returns how many this node knew of. A failed
         delete still forgets the block here; the lifecycle rule reclaims it."""
         hashes = list(dict.fromkeys(hashes))
+        keys = [self.key_of(h, ns) for h in hashes for ns in self._candidates(h)]
         with self._lock:
             self._check_open()
             known = self._forget(hashes)
-        for start in range(0, len(hashes), _DELETE_BATCH):
-            self._delete_keys([self.key_of(h) for h in hashes[start:start + _DELETE_BATCH]])
+        for start in range(0, len(keys), _DELETE_BATCH):
+            self._delete_keys(keys[start:start + _DELETE_BATCH])
         return known
 
     def _delete_keys(self, keys: list[str]) -> None:
@@ -247,6 +282,7 @@ class S3Tier(Tier):
                 counted += 1
                 nbytes += e[0]
             known += e is not None or self._foreign.pop(h, None) is not None
+            self._ns.pop(h, None)
         self._used -= nbytes
         self.stats.add(blocks=-counted, used_bytes=-nbytes)
         return known
@@ -280,26 +316,29 @@ class S3Tier(Tier):
         return out
 
     def _get_one(self, h: BlockHash) -> torch.Tensor | None:
-        if not self._usable():
-            self.stats.add(errors=1)
-            return None
-        try:
-            resp = self._client.get_object(Bucket=self.bucket, Key=self.key_of(h))
-            buf = read_body(resp)
-        except (BotoCoreError, ClientError, OSError, urllib3.exceptions.HTTPError) as e:
-            if error_code(e) in MISSING:
-                with self._lock:  # deleted by another node
-                    self._forget([h])
-            else:
+        for ns in self._candidates(h):
+            if not self._usable():
+                self.stats.add(errors=1)
+                return None
+            try:
+                buf = read_body(self._client.get_object(Bucket=self.bucket, Key=self.key_of(h, ns)))
+            except (BotoCoreError, ClientError, OSError, urllib3.exceptions.HTTPError) as e:
+                if error_code(e) in MISSING:
+                    with self._lock:  # deleted by another node, or not in this namespace
+                        if self._ns.get(h) == ns:
+                            self._forget([h])
+                    continue
                 self._fail("get", h.hex(), e)
-            return None
-        with self._lock:
-            e = self._index.get(h)
-            if e is not None:
-                e[1] = time.time_ns()
-            else:
-                self._remember_foreign({h: buf.numel()})
-        return buf
+                return None
+            with self._lock:
+                e = self._index.get(h)
+                if e is not None:
+                    e[1] = time.time_ns()
+                else:
+                    self._learn(h, ns)
+                    self._remember_foreign({h: buf.numel()})
+            return buf
+        return None
 
     def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
         """Whether each block is known to be in the bucket (no request made;
@@ -364,7 +403,9 @@ class S3Tier(Tier):
         """Caller holds the lock. Bounded: the oldest entries go first."""
         self._foreign.update(sizes)
         while len(self._foreign) > _MAX_FOREIGN:
-            del self._foreign[next(iter(self._foreign))]
+            oldest = next(iter(self._foreign))
+            del self._foreign[oldest]
+            self._ns.pop(oldest, None)
 
     def _check_open(self) -> None:
         if self._closed:

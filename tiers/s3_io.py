@@ -75,16 +75,18 @@ def ensure_bucket(client, bucket: str) -> None:
                 raise
 
 
-def list_blocks(client, bucket: str, prefix: str) -> Iterator[tuple[BlockHash, int, int]]:
-    """(hash, size, last-modified ns) of every block key ``<prefix>/<hh>/<hex>``
-    in the bucket, page by page; other keys under the prefix are skipped."""
-    pattern = re.compile(re.escape(prefix) + r"/([0-9a-f]{2})/([0-9a-f]{32})")
+def list_blocks(client, bucket: str, prefix: str) -> Iterator[tuple[BlockHash, int, int, str]]:
+    """(hash, size, last-modified ns, namespace hex) of every block key
+    ``<prefix>/<ns>/<hh>/<hex>`` in the bucket, page by page; other keys under
+    the prefix (quarantine, sessions) are skipped."""
+    pattern = re.compile(re.escape(prefix) + r"/([0-9a-f]{32})/([0-9a-f]{2})/([0-9a-f]{32})")
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
     for page in pages:
         for o in page.get("Contents", ()):
             m = pattern.fullmatch(o["Key"])
-            if m and m.group(2).startswith(m.group(1)):
-                yield BlockHash(bytes.fromhex(m.group(2))), o["Size"], int(o["LastModified"].timestamp() * 1e9)
+            if m and m.group(3).startswith(m.group(2)):
+                mtime = int(o["LastModified"].timestamp() * 1e9)
+                yield BlockHash(bytes.fromhex(m.group(3))), o["Size"], mtime, m.group(1)
 
 
 def set_expiration(client, bucket: str, prefix: str, days: int) -> None:

@@ -81,19 +81,22 @@ def keys(n: int) -> list[bytes]:
 
 
 def block(h: bytes, size: int = 3000) -> torch.Tensor:
-    """Bytes derived from the key, so a returned object can be checked."""
+    """Bytes derived from the key, so a returned object can be checked; bytes
+    8..24 carry the namespace fingerprint, where a block object's header has it."""
     g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & (2**63 - 1))
-    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+    obj = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+    obj[8:24] = torch.tensor(list(NS.fingerprint()), dtype=torch.uint8)
+    return obj
 
 
 def test_round_trip_key_layout_and_misses(make_tier, moto):
     tier = make_tier(prefix="kv/a")
     hs = keys(6)
     assert tier.put_many(hs, [block(h) for h in hs]) == [True] * 6
-    # Objects sit under <prefix>/<first byte hex>/<hash hex>, byte for byte.
+    # Objects sit under <prefix>/<namespace hex>/<first byte hex>/<hash hex>, byte for byte.
     raw = moto.client()
     for h in hs:
-        assert tier.key_of(h) == f"kv/a/{h.hex()[:2]}/{h.hex()}"
+        assert tier.key_of(h) == f"kv/a/{NS.fingerprint().hex()}/{h.hex()[:2]}/{h.hex()}"
         body = raw.get_object(Bucket=make_tier.bucket, Key=tier.key_of(h))["Body"].read()
         assert body == block(h).numpy().tobytes()
     # Reads are fresh 1-D uint8 tensors; an unknown hash is a miss, not an error.
@@ -158,8 +161,11 @@ def test_blocks_from_another_node_are_served_but_not_counted(make_tier):
     here, there = make_tier(), make_tier()
     hs = keys(3)
     there.put_many(hs, [block(h) for h in hs])
-    # Written after `here` opened: unknown to its lookups, but a read finds it.
+    # Written after `here` opened: unknown to its lookups, but a read in a
+    # namespace the store noted (it does so before every load) finds it.
     assert here.contains_many(hs) == [False] * 3
+    assert here.get_many(hs[:1]) == [None]
+    here.note_namespace(NS.fingerprint())
     assert torch.equal(here.get_many(hs[:1])[0], block(hs[0]))
     assert here.contains_many(hs) == [True, False, False]
     # refresh() learns the rest from a listing; none of it counts against capacity.
