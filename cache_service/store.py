@@ -114,6 +114,7 @@ class TieredStore:
         for i, tier in enumerate(self.tiers):
             if not remaining:
                 break
+            tier.note_namespace(ns.fingerprint())  # lets S3 find blocks other nodes wrote
             objs = tier.get_many([hashes[j] for j in remaining])
             missed = []
             for j, obj in zip(remaining, objs):
