@@ -26,6 +26,7 @@ Environment variables address the same keys with ``__`` between levels:
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -64,6 +65,12 @@ def default_cache_dir() -> Path:
         return Path(os.environ["TIERKV_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "tierkv"
+
+
+def _check_duration(key: str, value: float) -> None:
+    """A positive, finite number of seconds (TOML allows nan and inf)."""
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{key} must be a positive finite number of seconds, got {value}")
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -173,6 +180,7 @@ class StoreConfig:
         if self.queue_depth <= 0:
             raise ConfigError(f"store.queue_depth must be positive, got {self.queue_depth}")
         _check_choice("store.queue_full", self.queue_full, ("wait", "skip"))
+        _check_duration("store.flush_timeout_s", self.flush_timeout_s)
 
 
 @dataclass(slots=True)
@@ -200,8 +208,7 @@ class DirectoryConfig:
             if not host or not port.isdigit():
                 raise ConfigError(f"directory.cluster: {node!r} is not host:port")
         for name in ("heartbeat_ttl_s", "block_ttl_s", "socket_timeout_s", "max_backoff_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"directory.{name} must be positive, got {getattr(self, name)}")
+            _check_duration(f"directory.{name}", getattr(self, name))
 
     def cluster_nodes(self) -> list[tuple[str, int]]:
         return [(h, int(p)) for h, _, p in (n.strip().rpartition(":") for n in self.cluster.split(",") if n.strip())]
@@ -234,7 +241,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if tp in (int, float) and isinstance(value, bool):
             raise ValueError
         return tp(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}") from None
 
 

@@ -94,6 +94,7 @@ class DiskTier(Tier):
         self._reserved = 0  # bytes of puts in flight
         self._clock = 0
         self._seq = count()
+        self._full_logged = -1e9  # last "filesystem full" warning (monotonic s)
         self._closed = False
         self._recover()
 
@@ -183,7 +184,13 @@ class DiskTier(Tier):
                 os.close(fd)
         except OSError as e:
             _unlink_quiet(tmp)
-            if e.errno != errno.ENOSPC:
+            if e.errno == errno.ENOSPC:  # a capacity condition, not an error: say so, but not per block
+                now = time.monotonic()
+                if now - self._full_logged >= 10.0:
+                    self._full_logged = now
+                    log.warning("disk tier %s: filesystem full (no space left on device); writes dropped "
+                                "until space frees up", self.root)
+            else:
                 log.warning("disk tier %s: writing %s failed: %s", self.root, tmp, e)
                 self.stats.add(errors=1)
             return None
