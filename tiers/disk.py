@@ -188,8 +188,7 @@ class DiskTier(Tier):
                 now = time.monotonic()
                 if now - self._full_logged >= 10.0:
                     self._full_logged = now
-                    log.warning("disk tier %s: filesystem full (no space left on device); writes dropped "
-                                "until space frees up", self.root)
+                    log.warning("disk tier %s: filesystem full; writes dropped until space frees up", self.root)
             else:
                 log.warning("disk tier %s: writing %s failed: %s", self.root, tmp, e)
                 self.stats.add(errors=1)
