@@ -119,7 +119,7 @@ def bench_size(name: str, n: int, reps: int, root: Path) -> dict[str, float]:
     rows: dict[str, list[float]] = {k: [] for k in ("memcpy", "shm_load", "shm_store", "stream_load",
                                                     "stream_store", "redis_get", "redis_set")}
     try:
-        clients = {t: GrpcClient(f"grpc://127.0.0.1:{port}?transport={t}", shm_bytes=n * size)
+        clients = {t: GrpcClient(f"grpc://127.0.0.1:{port}?transport={t}", shm_bytes=n * object_size(ns))
                    for t in ("shm", "stream")}
         fresh = iter(keysets)
         for t, c in clients.items():  # warm up: every slot touched, every path taken once
@@ -137,8 +137,10 @@ def bench_size(name: str, n: int, reps: int, root: Path) -> dict[str, float]:
             rows["redis_set"].append(_time(lambda: r.pipeline(transaction=False).mset(
                 {f"k{i}": b for i, b in enumerate(blobs)}).execute()))
             rows["redis_get"].append(_time(lambda: r.mget([f"k{i}" for i in range(n)])))
-        out = clients["stream"].load(ns, loaded)
-        assert all(o is not None and torch.equal(o.view(-1).view(torch.uint8), f) for o, f in zip(out, flat))
+        for c in clients.values():  # both paths returned the stored bytes
+            out = c.load(ns, loaded)
+            assert all(o is not None and torch.equal(o.view(-1).view(torch.uint8), f) for o, f in zip(out, flat))
+            del out
         assert clients["shm"].lookup(loaded) == n
         for c in clients.values():
             c.close()

@@ -104,6 +104,7 @@ class HbmConfig(TierConfig):
 class CpuConfig(TierConfig):
     pin: str = "auto"
     slot_bytes: int = 0
+    prefault: bool = False  # touch the pool's pages in the background at start (daemons)
 
     def __post_init__(self) -> None:
         TierConfig.__post_init__(self)

@@ -20,15 +20,16 @@ import torch
 from cache_service.auth import Authenticator, tenant_keys
 from cache_service.keys import Namespace, prefix_hashes
 from cache_service.metrics import Metrics
+from cache_service.objects import HEADER_SIZE, checksum, decode, encode_into, object_size
 from cache_service.rpc import rpc
 from cache_service.sessions import SessionStore
 from cache_service.shm import DATA_OFFSET, Attachments, host_id
-from cache_service.store import TieredStore
-from cache_service.wire import (BlockSink, RequestError, as_payload, byte_view, hashes_from_pb, invalid, iter_chunks,
+from cache_service.store import TieredStore, claimed_checksum, header_bytes
+from cache_service.wire import (BlockSink, RequestError, byte_view, hashes_from_pb, invalid, iter_chunks,
                                 ns_from_pb, require_ns, session_from_pb, session_to_pb, stats_to_pb)
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
-from tiers.types import BlockHash, ConfigError
+from tiers.types import BlockHash, ConfigError, CorruptBlockError
 
 VERSION = "tierkv-daemon/1"
 MiB = 1 << 20
@@ -147,7 +148,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             raise invalid("empty Store stream: the first message must carry ns and hashes")
         ns, keys = self._blocks(first, tenant)
         total = self._check_request_bytes(len(keys), ns)
-        sink = BlockSink(len(keys), ns.payload_bytes)
+        sink = BlockSink(len(keys), ns.payload_bytes, lead=HEADER_SIZE)  # payloads land in their objects
         for msg in itertools.chain([first], request_iterator):
             if msg is not first and (msg.HasField("ns") or len(msg.hashes)):
                 raise invalid("ns and hashes belong in the first Store message only")
@@ -158,7 +159,8 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         if not sink.full:
             raise invalid(f"Store sent {sink.received} payload bytes; {len(keys)} blocks of "
                           f"{ns.payload_bytes} bytes need {total}")
-        stored = self.store.store(ns, keys, [as_payload(b, ns) for b in sink.blocks])
+        objs = [encode_into(b, ns, h, b[HEADER_SIZE:]) for b, h in zip(sink.blocks, keys)]  # header only
+        stored = self.store.store_objects(ns, keys, objs, verify=False, owned=True)
         self.metrics.moved(tenant, "store", total)
         return pb.StoreReply(stored=stored)
 
@@ -176,25 +178,27 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @rpc
     def LoadShm(self, request, context, tenant):
         ns, keys = self._blocks(request, tenant)
-        P = ns.payload_bytes
-        region = self.attachments.get(request.attachment, tenant).region(request.offset, len(keys) * P)
-        sizes, pos = [], 0
-        for p in self.store.load(ns, keys):
-            if p is None:
-                sizes.append(0)
-                continue
-            region[pos: pos + P].copy_(p.reshape(-1).view(torch.uint8))
-            sizes.append(P)
-            pos += P
-        self.metrics.moved(tenant, "load", pos)
+        S = object_size(ns)
+        region = self.attachments.get(request.attachment, tenant).region(request.offset, len(keys) * S)
+        # one copy: pool slot -> the client's object slot i, verified there
+        hits = self.store.load_into(ns, keys, [region[i * S: (i + 1) * S] for i in range(len(keys))])
+        sizes = [ns.payload_bytes if hit else 0 for hit in hits]
+        self.metrics.moved(tenant, "load", sum(sizes))
         return pb.LoadShmReply(sizes=sizes)
 
     @rpc
     def StoreShm(self, request, context, tenant):
         ns, keys = self._blocks(request, tenant)
-        P, total = ns.payload_bytes, self._check_request_bytes(len(keys), ns)
-        region = self.attachments.get(request.attachment, tenant).region(request.offset, total)
-        stored = self.store.store(ns, keys, [as_payload(region[i * P: (i + 1) * P], ns) for i in range(len(keys))])
+        S, total = object_size(ns), self._check_request_bytes(len(keys), ns)
+        region = self.attachments.get(request.attachment, tenant).region(request.offset, len(keys) * S)
+        sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, self.s.max_blocks)
+        objs = [region[i * S: (i + 1) * S] for i in range(len(keys))]
+        try:  # the client encoded the objects in place: check them in full, then one copy into the pool
+            for obj, h, key in zip(objs, sent, keys):
+                _adopt(obj, sent_ns, h, ns, key)
+        except CorruptBlockError as e:
+            raise invalid(f"StoreShm: bad block object in shared memory ({e})") from None
+        stored = self.store.store_objects(ns, keys, objs, verify=False)
         self.metrics.moved(tenant, "store", total)
         return pb.StoreReply(stored=stored)
 
@@ -255,3 +259,15 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         if s is not None:
             self.store.unpin(self._session_keys(request, tenant, s.token_ids))
         return pb.DeleteSessionReply(deleted=self.sessions.delete(request.session_id, owner))
+
+
+def _adopt(obj: torch.Tensor, sent_ns: Namespace, h: BlockHash, ns: Namespace, key: BlockHash) -> None:
+    """Check an object a client encoded under its own (namespace, hash) in
+    full, then re-head it in place for the store's (tenant namespace, key).
+    Raises CorruptBlockError (with decode's diagnosis)."""
+    csum = claimed_checksum(obj, sent_ns, h)
+    if csum is None or checksum(obj[HEADER_SIZE:]) != csum:
+        decode(obj, sent_ns, h, verify_payload=True)  # names what is wrong
+        raise CorruptBlockError("bad object header")  # pragma: no cover (decode raised)
+    if (sent_ns, h) != (ns, key):  # a tenant's keys: the payload stays, only the header is written
+        obj[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(header_bytes(ns, key, csum)), dtype=torch.uint8))

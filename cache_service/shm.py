@@ -5,8 +5,14 @@ The *client* owns the memory. It creates a segment file in /dev/shm (mode
 start and asks the daemon to `Attach` it by name and nonce. The daemon maps
 the file, checks the nonce and remembers the mapping under an attachment id
 bound to the caller's tenant; the client then unlinks the file, so nothing
-leaks if either side dies. LoadShm has the daemon copy hits into the
-segment; StoreShm has it read payloads the client wrote there.
+leaks if either side dies. Both calls address block i at ``offset + i *
+object_size(ns)`` as a whole block object (header + payload, see
+cache_service/objects.py): LoadShm has the daemon copy each hit's object
+there from its pool slot (one copy, verified in place); for StoreShm the
+client encodes objects there and the daemon checks each in full (the client
+is not trusted) before copying it once into its pool. A client hands out
+loaded payloads as views of the segment and reuses that stretch only once
+the caller has dropped them (`Segment.stretch`).
 
 Why not a slab the daemon offers to every client: that slab would have to be
 mappable by all tenants, so one tenant could read another's blocks in
@@ -80,6 +86,26 @@ class Segment:
             os.close(fd)
         self._mm[: len(MAGIC) + NONCE_BYTES] = MAGIC + self.nonce
         self.data = torch.frombuffer(self._mm, dtype=torch.uint8)[DATA_OFFSET:]
+        self._loans: list[tuple[int, int, torch.Tensor]] = []  # (offset, bytes, our handle) of lent stretches
+
+    def stretch(self, nbytes: int, lend: bool = False) -> tuple[int, torch.Tensor] | None:
+        """(offset, uint8 tensor) of `nbytes` of the data area that no lent
+        tensor still uses, or None if there is no such room now.
+
+        With `lend` the stretch is the caller's to hand out: it stays
+        reserved while any view of the returned tensor is alive (tracked by
+        the use count of its storage), so a later call never overwrites
+        bytes a caller still reads. Not thread-safe (the client locks).
+        """
+        self._loans = [loan for loan in self._loans if _users(loan[2]) > 1]
+        for off in [0] + [-(-(o + n) // ALIGN) * ALIGN for o, n, _ in self._loans]:
+            if off + nbytes <= self.data_bytes and all(off + nbytes <= o or o + n <= off for o, n, _ in self._loans):
+                if not lend or _USE_COUNT is None:
+                    return (off, self.data[off: off + nbytes]) if not lend else None
+                t = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=DATA_OFFSET + off)
+                self._loans.append((off, nbytes, t))
+                return off, t
+        return None
 
     def unlink(self) -> None:
         """Remove the name; the memory lives on while some process maps it."""
@@ -95,6 +121,16 @@ class Segment:
             self._mm.close()
         except BufferError:  # a caller still holds a view; the GC unmaps it later
             pass
+
+
+# how many tensors share a storage: torch has no public call for it; without it nothing is lent
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _users(t: torch.Tensor) -> int:
+    """Tensors (ours included) holding `t`'s storage."""
+    storage = t.untyped_storage()
+    return _USE_COUNT(storage._cdata) - 1  # minus `storage` itself
 
 
 @dataclass(slots=True)

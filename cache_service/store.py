@@ -8,6 +8,13 @@ block from the highest tier that has it, verifies it, and promotes hits into
 the tiers above. Eviction is the store's job: each tier has a policy, pinned
 blocks are never victims, and a victim moves to the next tier down.
 
+Copy-free variants for callers with their own buffers (the daemon's shared
+memory): ``load_into`` copies a slot-pool hit straight into the caller's
+object buffer and verifies it there; ``store_objects`` takes objects already
+encoded (and, when untrusted, checks them in full) and copies each once
+into the top tier. Evictions are counted per tier whether or not the victim
+has a tier below to go to.
+
 Backpressure: with ``queue_full = "wait"`` (default) a full writer queue
 makes the caller wait, so memory stays bounded and no lower copy is lost;
 with ``"skip"`` the lower copy is dropped and counted (``dropped``) and the
@@ -38,16 +45,30 @@ import torch
 from cache_service.config import StoreConfig
 from cache_service.eviction.base import EvictionPolicy
 from cache_service.keys import Namespace
-from cache_service.objects import decode, encode
+from cache_service.objects import HEADER_SIZE, checksum, decode, encode, encode_into, object_size
+from cache_service.objects import _header as header_bytes  # noqa: PLC2701 (see claimed_checksum)
 from cache_service.writer import Item, TierWriter
 from tiers.base import Tier
-from tiers.types import BlockHash, CapacityError, CorruptBlockError
+from tiers.types import BlockHash, CapacityError, CorruptBlockError, TierKVError
 
 if TYPE_CHECKING:
     from tiers.redis_dir import RedisDirectory
 
 log = logging.getLogger("tierkv.store")
+_CHECKSUM_AT = 72  # offset of the payload checksum in an object header (cache_service/objects.py)
 _COUNTERS = ("hits", "misses", "evictions", "corrupt", "promoted", "demoted", "dropped", "bypassed")
+
+
+def claimed_checksum(obj: torch.Tensor, ns: Namespace, h: BlockHash) -> int | None:
+    """The payload checksum in `obj`'s header if that header (and the size) is
+    exactly what an object of block `h` under `ns` has, else None. One bytes
+    comparison covers magic, version, namespace, hash, layout, length and the
+    header checksum; callers run `decode` for the diagnosis when it fails."""
+    if obj.dtype != torch.uint8 or obj.dim() != 1 or obj.numel() != object_size(ns) or obj.device.type != "cpu":
+        return None
+    raw = bytes(obj[:HEADER_SIZE].numpy())
+    csum = int.from_bytes(raw[_CHECKSUM_AT: _CHECKSUM_AT + 8], "little")
+    return csum if raw == header_bytes(ns, h, csum) else None
 
 
 class TieredStore:
@@ -108,12 +129,58 @@ class TieredStore:
         """Verified payloads ([layers, 2, block_tokens, kv_heads, head_dim]) per
         hash, None for a miss. A corrupt object is quarantined, counted and
         looked for in the next tier down."""
+        return self._load_from(0, ns, hashes)
+
+    def load_into(self, ns: Namespace, hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy each block's object (header + payload) into `outs[j]` (1-D uint8
+        CPU tensor of object_size(ns) bytes); True per hit.
+
+        The allocation-free load: a hit in a tier with ``get_into`` (the slot
+        pools) is one copy, from the slot straight into the caller's buffer,
+        then verified there. Blocks those tiers miss are read as by `load`
+        (promoted likewise) and written into their buffers. A miss leaves its
+        buffer's contents undefined.
+        """
+        assert len(hashes) == len(outs), "one buffer per hash"
+        size = object_size(ns)
+        outs = [o[:size] for o in outs]
+        got = [False] * len(hashes)
+        remaining = list(range(len(hashes)))
+        promote: list[tuple[int, BlockHash, torch.Tensor]] = []
+        i = 0
+        while remaining and i < len(self.tiers) and hasattr(self.tiers[i], "get_into"):
+            try:
+                hits = self.tiers[i].get_into([hashes[j] for j in remaining], [outs[j] for j in remaining])
+            except TierKVError:  # an object larger than this namespace's: not what was asked for
+                break
+            missed = []
+            for j, hit in zip(remaining, hits):
+                if hit and self._verified_in_place(i, ns, hashes[j], outs[j]):
+                    got[j] = True
+                    if i and self.cfg.promote_on_hit:  # the caller's buffer is reused: promote a copy
+                        promote.append((i, hashes[j], outs[j].clone()))
+                else:
+                    missed.append(j)
+            self._settle(i, hashes, remaining, missed)
+            remaining, i = missed, i + 1
+        self._promote(promote)
+        if remaining:
+            for j, p in zip(remaining, self._load_from(i, ns, [hashes[j] for j in remaining])):
+                if p is not None:
+                    encode_into(outs[j], ns, hashes[j], p)
+                    got[j] = True
+        return got
+
+    def _load_from(self, first: int, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        """`load` over tiers first.. (the ones above have been asked already)."""
         out: list[torch.Tensor | None] = [None] * len(hashes)
         remaining = list(range(len(hashes)))
         promote: list[tuple[int, BlockHash, torch.Tensor]] = []
         for i, tier in enumerate(self.tiers):
             if not remaining:
                 break
+            if i < first:
+                continue
             tier.note_namespace(ns.fingerprint())  # lets S3 find blocks other nodes wrote
             objs = tier.get_many([hashes[j] for j in remaining])
             missed = []
@@ -123,22 +190,38 @@ class TieredStore:
                         promote.append((i, hashes[j], obj))
                 else:
                     missed.append(j)
-            missed_set = set(missed)
-            self._touch(i, [hashes[j] for j in remaining if j not in missed_set])
-            self._count(i, hits=len(remaining) - len(missed), misses=len(missed))
+            self._settle(i, hashes, remaining, missed)
             remaining = missed
         self._load_inflight(ns, hashes, remaining, out)
         self._promote(promote)
         return out
 
+    def _settle(self, i: int, hashes: Sequence[BlockHash], asked: list[int], missed: list[int]) -> None:
+        """Recency and hit/miss counters of tier i after one batched read."""
+        missed_set = set(missed)
+        self._touch(i, [hashes[j] for j in asked if j not in missed_set])
+        self._count(i, hits=len(asked) - len(missed), misses=len(missed))
+
     def _accept(self, i: int, ns: Namespace, h: BlockHash, obj: torch.Tensor, out: list, j: int) -> bool:
-        try:
-            out[j] = decode(obj, ns, h, verify_payload=self.tiers[i].verify_payload)
+        out[j] = self._verified(i, ns, h, obj)
+        return out[j] is not None
+
+    def _verified_in_place(self, i: int, ns: Namespace, h: BlockHash, obj: torch.Tensor) -> bool:
+        """`_verified` for a hot path: one comparison against the header (ns, h)
+        must have, the full decode (for its diagnosis) only when that fails."""
+        csum = claimed_checksum(obj, ns, h)
+        if csum is not None and (not self.tiers[i].verify_payload or checksum(obj[HEADER_SIZE:]) == csum):
             return True
+        return self._verified(i, ns, h, obj) is not None
+
+    def _verified(self, i: int, ns: Namespace, h: BlockHash, obj: torch.Tensor) -> torch.Tensor | None:
+        """The payload of an object read from tier i; None (quarantined) if corrupt."""
+        try:
+            return decode(obj, ns, h, verify_payload=self.tiers[i].verify_payload)
         except CorruptBlockError as e:
             log.warning("tier %s: block %s is corrupt (%s); quarantined", self.tiers[i].name, h.hex(), e)
             self._quarantine(i, h)
-            return False
+            return None
 
     def _load_inflight(self, ns: Namespace, hashes: Sequence[BlockHash], todo: list[int], out: list) -> None:
         with self._meta:
@@ -155,16 +238,41 @@ class TieredStore:
             raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
         held = self.tiers[0].contains_many(hashes)
         new = [(h, encode(ns, h, p)) for h, p, ok in zip(hashes, payloads, held) if not ok]
+        return self._store_new(hashes, held, new, owned=True)
+
+    def store_objects(self, ns: Namespace, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],
+                      verify: bool = True, owned: bool = False) -> int:
+        """Store already-encoded objects (1-D uint8 CPU views, e.g. in a client's
+        shared memory): one copy into the top tier. Returns as `store`.
+
+        With `verify` (untrusted bytes) every header and payload checksum is
+        checked first and a bad object raises CorruptBlockError, storing
+        nothing. Without `owned` the caller may reuse `objs` once this returns,
+        so what lower tiers write later is copied out first.
+        """
+        if len(hashes) != len(objs):
+            raise ValueError(f"{len(hashes)} hashes but {len(objs)} objects")
+        if verify:
+            for h, obj in zip(hashes, objs):
+                decode(obj, ns, h, verify_payload=True)
+        held = self.tiers[0].contains_many(hashes)
+        new = [(h, obj) for h, obj, ok in zip(hashes, objs, held) if not ok]
+        return self._store_new(hashes, held, new, owned)
+
+    def _store_new(self, hashes: Sequence[BlockHash], held: list[bool], new: list[Item], owned: bool) -> int:
         self._touch(0, [h for h, ok in zip(hashes, held) if ok])
-        stored = self._put(0, new)
-        for i in range(1, len(self.tiers)):
-            if self.modes[i] == "through":
-                self._submit(i, [it for it in new if not self._below_has(i, it[0])])
+        stored = self._put(0, new, owned)
+        through = [i for i in range(1, len(self.tiers)) if self.modes[i] == "through"]
+        if through and not owned:  # writers hold objects past this call
+            new = [(h, obj.clone()) for h, obj in new]
+        for i in through:
+            self._submit(i, [it for it in new if not self._below_has(i, it[0])])
         return len(stored)
 
-    def _put(self, i: int, items: Sequence[Item]) -> set[BlockHash]:
+    def _put(self, i: int, items: Sequence[Item], owned: bool = True) -> set[BlockHash]:
         """Put items into tier i, evicting as needed; victims and items that
-        cannot fit go down. Returns the hashes now held by tier i."""
+        cannot fit go down (copied first unless `owned`: the caller's buffers
+        may be reused). Returns the hashes now held by tier i."""
         tier, pol = self.tiers[i], self.policies[i]
         victims: list[Item] = []
         with self._locks[i]:
@@ -176,8 +284,11 @@ class TieredStore:
         self._publish(i, [h for (h, _), good in zip(todo, ok) if good])
         held = {h for h, _ in items} - {h for (h, _), good in zip(todo, ok) if not good}
         self._count(i, evictions=len(victims))
-        self._demote(i, victims, "demoted")
-        self._demote(i, [it for it, good in zip(todo, ok) if not good], "bypassed")
+        self._demote(i, [v for v in victims if v[1] is not None], "demoted")
+        bypassed = [it for it, good in zip(todo, ok) if not good]
+        if not owned and i + 1 < len(self.tiers):
+            bypassed = [(h, obj.clone()) for h, obj in bypassed]
+        self._demote(i, bypassed, "bypassed")
         return held
 
     def _put_locked(self, i: int, todo: Sequence[Item], victims: list[Item]) -> list[bool]:
@@ -193,8 +304,7 @@ class TieredStore:
             obj = tier.get_many([v])[0] if i + 1 < len(self.tiers) else None
             tier.delete_many([v])
             self._publish(i, [v], present=False)
-            if obj is not None:
-                victims.append((v, obj))
+            victims.append((v, obj))  # counted as an eviction even with nowhere to go
         try:
             return tier.put_many([h for h, _ in todo], [obj for _, obj in todo])
         except CapacityError:  # one object can never fit: place the others one by one

@@ -106,11 +106,13 @@ def as_payload(buf: torch.Tensor, ns: Namespace) -> torch.Tensor:
 class BlockSink:
     """Receives a byte stream into `count` fresh per-block buffers of
     `block_bytes` each (one allocation per block: the allocator recycles
-    those, where one large buffer would be fresh, page-faulting memory)."""
+    those, where one large buffer would be fresh, page-faulting memory).
+    With `lead`, each buffer starts with that many bytes left for a header
+    and the block's bytes land after them (so no later copy adds one)."""
 
-    def __init__(self, count: int, block_bytes: int) -> None:
-        self.blocks = [torch.empty(block_bytes, dtype=torch.uint8) for _ in range(count)]
-        self._views = [memoryview(b.numpy()) for b in self.blocks]
+    def __init__(self, count: int, block_bytes: int, lead: int = 0) -> None:
+        self.blocks = [torch.empty(lead + block_bytes, dtype=torch.uint8) for _ in range(count)]
+        self._views = [memoryview(b.numpy())[lead:] for b in self.blocks]
         self.block_bytes, self.total, self.received = block_bytes, count * block_bytes, 0
 
     @property

@@ -34,6 +34,7 @@ import torch
 
 from cache_service.auth import channel_credentials
 from cache_service.keys import Namespace
+from cache_service.objects import HEADER_SIZE, encode_into, object_size
 from cache_service.sessions import Session, SessionError
 from cache_service.shm import Segment, host_id
 from cache_service.wire import (BlockSink, as_payload, byte_view, check_payloads, iter_chunks, ns_to_pb,
@@ -86,6 +87,10 @@ class GrpcClient:
         else:
             self._channel = grpc.insecure_channel(self.target, options)
         self._stub = pb_grpc.TierKVStub(self._channel)
+        # Load replies parsed by hand: their payload bytes are read in place (see _load_chunk)
+        self._load_rpc = self._channel.unary_stream("/tierkv.v1.TierKV/Load",
+                                                    request_serializer=pb.LoadRequest.SerializeToString,
+                                                    response_deserializer=_load_chunk)
         self._shm: Segment | None = None
         self._shm_bytes, self._retry_at = 0, 0.0  # segment size to re-attach; when to try
         self._attachment = ""
@@ -187,7 +192,7 @@ class GrpcClient:
     def _shm_room(self, ns: Namespace) -> int:
         """Bytes of the shared-memory segment when it can carry this namespace's blocks, else 0."""
         seg = self._segment()
-        return seg.data_bytes if seg is not None and ns.payload_bytes <= seg.data_bytes else 0
+        return seg.data_bytes if seg is not None and object_size(ns) <= seg.data_bytes else 0
 
     def _batches(self, n: int, block_bytes: int, room: int) -> list[range]:
         per = max(1, min(self.hello.max_blocks, room // max(block_bytes, 1)))
@@ -212,10 +217,11 @@ class GrpcClient:
         """Verified payloads per hash, None for a miss (and for every block of a failed call)."""
         out: list[torch.Tensor | None] = [None] * len(hashes)
         shm = self._shm_room(ns)
-        for r in self._batches(len(hashes), ns.payload_bytes, shm or 1 << 62):  # the daemon batches streamed reads
+        batches = self._batches(len(hashes), object_size(ns), shm or 1 << 62)  # the daemon batches streamed reads
+        for r in batches:
             h = hashes[r.start:r.stop]
-            try:
-                got = self._load_shm(ns, h) if shm else self._load_stream(ns, h)
+            try:  # one batch: hand out views of the segment; more would each need their own room
+                got = self._load_shm(ns, h, lend=len(batches) == 1) if shm else self._load_stream(ns, h)
             except (grpc.RpcError, _ProtocolError) as e:
                 self._failed("load", e, bool(shm))
                 break
@@ -227,7 +233,8 @@ class GrpcClient:
         check_payloads(ns, hashes, payloads)
         shm = self._shm_room(ns)
         stored = 0
-        for r in self._batches(len(hashes), ns.payload_bytes, min(self.hello.max_request_bytes, shm or 1 << 62)):
+        per = max(1, self.hello.max_request_bytes // ns.payload_bytes)  # the daemon's limit is on payload bytes
+        for r in self._batches(len(hashes), object_size(ns), min(per * object_size(ns), shm or 1 << 62)):
             h, p = hashes[r.start:r.stop], payloads[r.start:r.stop]
             try:
                 stored += self._store_shm(ns, h, p) if shm else self._store_stream(ns, h, p)
@@ -271,43 +278,56 @@ class GrpcClient:
         self.close()
 
     # ------------------------------------------------------------ data paths
-    def _load_shm(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
-        P = ns.payload_bytes
+    def _load_shm(self, ns: Namespace, hashes: Sequence[BlockHash], lend: bool) -> list[torch.Tensor | None]:
+        """Block i's object lands at i * object_size in a stretch of the segment
+        (the daemon verified it there). With `lend` the payloads handed out
+        are views of that stretch, which stays reserved while any of them is
+        alive (zero copies here); otherwise each is copied out once."""
+        P, S = ns.payload_bytes, object_size(ns)
         with self._shm_lock:
             if self._shm is None:  # lost meanwhile (see _drop_segment)
                 return self._load_stream(ns, hashes)
-            req = pb.ShmRequest(ns=_ns(ns), hashes=list(hashes), attachment=self._attachment)
+            got = (self._shm.stretch(len(hashes) * S, lend=True) if lend else None)
+            lent = got is not None
+            got = got or self._shm.stretch(len(hashes) * S)
+            if got is None:  # the caller still holds earlier blocks all over the segment
+                return self._load_stream(ns, hashes)
+            offset, area = got
+            req = pb.ShmRequest(ns=_ns(ns), hashes=list(hashes), attachment=self._attachment, offset=offset)
             sizes = list(self.call("LoadShm", req).sizes)
             _check_sizes(sizes, len(hashes), P)
-            data = self._shm.data
-            blocks = [torch.empty(P, dtype=torch.uint8).copy_(data[i * P: (i + 1) * P])
-                      for i in range(sum(1 for s in sizes if s))]
+            blocks = [area[i * S + HEADER_SIZE: (i + 1) * S] for i, s in enumerate(sizes) if s]
+            if not lent:
+                blocks = [torch.empty(P, dtype=torch.uint8).copy_(b) for b in blocks]
         return _place(blocks, sizes, ns)
 
     def _store_shm(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
-        P = ns.payload_bytes
+        """Objects are encoded straight into the segment (payload copy and
+        checksum); the daemon checks them and copies each once into its pool."""
+        S = object_size(ns)
         with self._shm_lock:
-            if self._shm is None:
+            got = None if self._shm is None else self._shm.stretch(len(hashes) * S)
+            if got is None:  # no segment, or loaded blocks the caller holds fill it
                 return self._store_stream(ns, hashes, payloads)
-            data = self._shm.data
-            for i, p in enumerate(payloads):
-                data[i * P: (i + 1) * P].copy_(p.detach().reshape(-1).view(torch.uint8))
-            req = pb.ShmRequest(ns=_ns(ns), hashes=list(hashes), attachment=self._attachment)
+            offset, area = got
+            for i, (h, p) in enumerate(zip(hashes, payloads)):
+                encode_into(area[i * S: (i + 1) * S], ns, h, p.detach().cpu())
+            req = pb.ShmRequest(ns=_ns(ns), hashes=list(hashes), attachment=self._attachment, offset=offset)
             return self.call("StoreShm", req).stored
 
     def _load_stream(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         P, out = ns.payload_bytes, []
         sizes: list[int] = []
         sink: BlockSink | None = None
-        for msg in self._stub.Load(pb.LoadRequest(ns=_ns(ns), hashes=list(hashes)),
-                                   timeout=self.timeout_s, metadata=self._md):
-            if msg.sizes:  # a new group: the previous one must be complete
+        for msg_sizes, data in self._load_rpc(pb.LoadRequest(ns=_ns(ns), hashes=list(hashes)),
+                                              timeout=self.timeout_s, metadata=self._md):
+            if msg_sizes:  # a new group: the previous one must be complete
                 if sink is not None:
                     out += _finish(sink, sizes, ns)
-                sizes = list(msg.sizes)
+                sizes = msg_sizes
                 _check_sizes(sizes, len(sizes), P)
                 sink = BlockSink(sum(1 for s in sizes if s), P)
-            if msg.data and (sink is None or not sink.write(msg.data)):
+            if len(data) and (sink is None or not sink.write(data)):
                 raise _ProtocolError("Load: more payload bytes than announced")
         if sink is not None:
             out += _finish(sink, sizes, ns)
@@ -325,6 +345,46 @@ class GrpcClient:
                 yield pb.StoreChunk(data=data)
 
         return self._stub.Store(requests(), timeout=self.timeout_s, metadata=self._md).stored
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise _ProtocolError("Load: malformed reply")
+        b = buf[pos]
+        value |= (b & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if b < 0x80:
+            return value, pos
+
+
+def _load_chunk(raw: bytes) -> tuple[list[int], memoryview]:
+    """(sizes, data) of a serialized LoadChunk, `data` a view of `raw`: the
+    generated parser would copy the payload bytes twice (into the message,
+    then out as a new bytes object). Everything but the data field (field 2,
+    length-delimited) goes to the generated parser, so sizes decode as ever."""
+    buf, pos, data, rest = memoryview(raw), 0, memoryview(b""), []
+    while pos < len(buf):
+        start = pos
+        tag, pos = _varint(buf, pos)
+        kind = tag & 7
+        if kind == 0:
+            pos = _varint(buf, pos)[1]
+        elif kind == 2:
+            n, pos = _varint(buf, pos)
+            if tag >> 3 == 2:
+                data, start = buf[pos: pos + n], pos + n
+            pos += n
+        elif kind in (1, 5):
+            pos += 8 if kind == 1 else 4
+        else:
+            raise _ProtocolError(f"Load: unexpected wire type {kind}")
+        if pos > len(buf):
+            raise _ProtocolError("Load: truncated reply")
+        if start < pos:
+            rest.append(buf[start:pos])
+    return list(pb.LoadChunk.FromString(b"".join(rest)).sizes), data
 
 
 def _why(e: Exception) -> str:

@@ -316,7 +316,15 @@ def test_malformed_requests_get_clear_status_codes(start):
 def test_a_client_vanishing_mid_store_stores_nothing(start):
     d = start(metrics_port=0)
     hs = hashes(4)
-    sent, gate = threading.Event(), threading.Event()
+    sent, gate, handled = threading.Event(), threading.Event(), threading.Event()
+    parse = d.servicer._blocks
+
+    def parsed_then_signal(*args):  # the handler has read the first message
+        out = parse(*args)
+        handled.set()
+        return out
+
+    d.servicer._blocks = parsed_then_signal
 
     def stream():
         yield pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs, data=bytes(P))
@@ -326,8 +334,7 @@ def test_a_client_vanishing_mid_store_stores_nothing(start):
 
     # the client sends the first quarter, then goes away
     call = raw(d).Store.future(stream())
-    assert sent.wait(10)
-    time.sleep(0.3)  # let the first message reach the handler
+    assert sent.wait(10) and handled.wait(30)
     call.cancel()
     gate.set()
     key = ("tierkv_rpc_total", (("code", "CANCELLED"), ("method", "Store"), ("tenant", "-")))

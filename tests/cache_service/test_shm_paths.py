@@ -1,0 +1,75 @@
+"""The daemon's shared-memory paths: objects encoded by the client in place,
+checked by the daemon; loads handed out as views of the segment."""
+from __future__ import annotations
+
+import grpc
+import torch
+
+from cache_service.objects import HEADER_SIZE, encode_into, object_size
+from cache_service.shm import Segment
+from cache_service.wire import ns_to_pb
+from connectors.grpc_client import GrpcClient
+from proto import tierkv_pb2 as pb
+from tests.cache_service.store_helpers import NS, hashes, payload_for, same
+from tests.cache_service.test_server import code_of, intact, put, raw, start, url  # noqa: F401 (fixture)
+
+S = object_size(NS)
+
+
+def test_store_shm_refuses_objects_that_do_not_match_what_was_sent(start):
+    d = start()
+    stub, hs = raw(d), hashes(3)
+    seg = Segment(4 * S)
+    try:
+        aid = stub.Attach(pb.AttachRequest(name=seg.name, nonce=seg.nonce)).attachment
+        req = pb.ShmRequest(ns=ns_to_pb(NS), hashes=hs, attachment=aid)
+        for i, h in enumerate(hs):
+            encode_into(seg.data[i * S: (i + 1) * S], NS, h, payload_for(h))
+        # a payload byte changed after encoding: refused, nothing stored
+        seg.data[2 * S + HEADER_SIZE + 5] ^= 1
+        code, why = code_of(lambda: stub.StoreShm(req))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "checksum mismatch" in why
+        # and stays refused when sent again (the daemon left the client's header as it was)
+        assert "checksum mismatch" in code_of(lambda: stub.StoreShm(req))[1]
+        # an object encoded for another block: refused too
+        seg.data[2 * S + HEADER_SIZE + 5] ^= 1
+        encode_into(seg.data[S: 2 * S], NS, hs[0], payload_for(hs[0]))
+        assert "expected" in code_of(lambda: stub.StoreShm(req))[1]
+        with GrpcClient(url(d, "stream")) as c:
+            assert c.lookup(hs) == 0
+        # put right, the batch is stored and reads back intact over either path
+        encode_into(seg.data[S: 2 * S], NS, hs[1], payload_for(hs[1]))
+        assert stub.StoreShm(req).stored == 3
+        for t in ("stream", "shm"):
+            with GrpcClient(url(d, t)) as c:
+                assert intact(c, hs)
+    finally:
+        seg.close()
+
+
+def test_loaded_blocks_stay_intact_while_the_caller_holds_them(start):
+    d = start()
+    with GrpcClient(url(d, "shm"), shm_bytes=8 * S) as c:
+        a, b = hashes(4), hashes(4, start=500)
+        assert put(c, a) == 4 and put(c, b) == 4
+        # the first load's payloads are held while more loads and stores use the segment
+        held = c.load(NS, a)
+        for _ in range(3):
+            assert intact(c, b)
+            assert put(c, hashes(2, start=900 + _ * 10)) == 2
+        assert all(same(p, payload_for(h)) for p, h in zip(held, a))
+        # dropped, their room is reused by the next load
+        del held
+        assert intact(c, a) and c.transport == "shm"
+
+
+def test_a_caller_holding_the_whole_segment_still_gets_answers(start):
+    d = start()
+    with GrpcClient(url(d, "shm"), shm_bytes=4 * S) as c:
+        hs = hashes(4)
+        assert put(c, hs) == 4
+        # a load filling the segment is held; the next load and store find no room and stream instead
+        held = c.load(NS, hs)
+        assert intact(c, hs) and put(c, hashes(2, start=700)) == 2
+        assert all(same(p, payload_for(h)) for p, h in zip(held, hs))
+        assert isinstance(held[0], torch.Tensor) and c.transport == "shm"
