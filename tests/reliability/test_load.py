@@ -1,6 +1,6 @@
 """Sustained load: 8 concurrent clients (both data paths) against one daemon
-for a bounded time (the issue's 60 s cut to 25 s for CI: 5 s warm-up, 20 s
-measured). No errors, no wrong block, resident memory of the daemon grows
+for 60 s (5 s warm-up, 55 s measured; bench/soak.py runs the same load for
+as long as asked). No errors, no wrong block, resident memory of the daemon grows
 less than 10% after warm-up; p50/p99 latencies are printed, not asserted."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
 from tests.reliability.conftest import cpu_disk_config, figure
 
 pytestmark = pytest.mark.slow
-CLIENTS, WARMUP_S, MEASURE_S = 8, 5.0, 20.0
+CLIENTS, WARMUP_S, MEASURE_S = 8, 5.0, 55.0
 RING, BATCH = 512, 8  # each client cycles over its own RING blocks: a steady state after the first lap
 
 
