@@ -57,6 +57,7 @@ def rpc(fn):
         @functools.wraps(fn)
         def streaming(self, request, context):
             t0, tenant, code, msg = time.perf_counter(), None, OK, ""
+            _track(self, +1)
             try:
                 tenant = self.auth.tenant_of(context.invocation_metadata())
                 yield from fn(self, request, context, tenant)
@@ -67,6 +68,7 @@ def rpc(fn):
                 code, msg = status_of(e)
                 _report(method, tenant, e, code, msg)
             finally:
+                _track(self, -1)
                 self.metrics.observe(method, tenant, code, time.perf_counter() - t0)
             if code is not OK:
                 context.abort(code, msg)
@@ -75,6 +77,7 @@ def rpc(fn):
     @functools.wraps(fn)
     def unary(self, request, context):
         t0, tenant, code, msg = time.perf_counter(), None, OK, ""
+        _track(self, +1)
         try:
             tenant = self.auth.tenant_of(context.invocation_metadata())
             return fn(self, request, context, tenant)
@@ -82,6 +85,13 @@ def rpc(fn):
             code, msg = status_of(e)
             _report(method, tenant, e, code, msg)
         finally:
+            _track(self, -1)
             self.metrics.observe(method, tenant, code, time.perf_counter() - t0)
         context.abort(code, msg)
     return unary
+
+
+def _track(servicer, delta: int) -> None:
+    """Count RPCs in flight on the servicer (daemon stats, drain tests)."""
+    with servicer.in_flight_lock:
+        servicer.in_flight += delta

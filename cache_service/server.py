@@ -11,6 +11,7 @@ ends early, overruns its declared size or is cancelled stores nothing.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 
@@ -83,6 +84,8 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         self.attachments, self.sessions = attachments, sessions
         self.host_id = host_id()
         self.started = time.monotonic()
+        self.in_flight = 0  # RPCs being handled (rpc.py counts them); a drain waits for these
+        self.in_flight_lock = threading.Lock()
 
     # ------------------------------------------------------------ helpers
     def _blocks(self, msg, tenant: str | None, need_ns: bool = True) -> tuple[Namespace | None, list[BlockHash]]:
@@ -227,7 +230,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     def daemon_stats(self) -> dict[str, int]:
         count, nbytes = self.attachments.counts()
         return {"uptime_seconds": int(time.monotonic() - self.started), "shm_attachments": count,
-                "shm_attached_bytes": nbytes}
+                "shm_attached_bytes": nbytes, "rpcs_in_flight": self.in_flight}
 
     # ------------------------------------------------------------ sessions
     @rpc

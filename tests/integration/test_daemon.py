@@ -178,6 +178,11 @@ def test_sigterm_lets_an_in_flight_store_finish(daemons):
     channel = grpc.insecure_channel(d.address)
     call = pb_grpc.TierKVStub(channel).Store.future(stream())
     assert sent.wait(10)
+    with GrpcClient(d.url("stream")) as probe:  # the daemon is handling the Store (the probe's Stats is the other)
+        deadline = time.monotonic() + 30
+        while probe.daemon_stats().get("rpcs_in_flight", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert probe.daemon_stats()["rpcs_in_flight"] >= 2
     # SIGTERM while the store is half sent: the daemon stops taking calls...
     d.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 20

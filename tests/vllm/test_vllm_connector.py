@@ -156,7 +156,7 @@ def story(vllm_python, tmp_path_factory) -> Story:
     ns = ns_from_canonical(p1["namespace"])
     # 2. one of Y's blocks rots on disk
     h = prefix_hashes(ns, Y)[Y_BAD_BLOCK]
-    path = root / "store" / "data" / f"{h[0]:02x}" / h.hex()
+    path = root / "store" / "data" / h.hex()  # tiers/disk.py: one flat data directory
     data = bytearray(path.read_bytes())
     data[300] ^= 0xFF
     path.write_bytes(bytes(data))
