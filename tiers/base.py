@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 import torch
 
 from tiers.counters import Counters
-from tiers.types import BlockHash
+from tiers.types import BlockHash, CapacityError
 
 
 @dataclass(slots=True)
@@ -96,3 +96,40 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release resources; the tier is unusable afterwards."""
+
+
+class ByteBudget:
+    """Capacity in bytes for tiers whose objects each take their own size
+    (disk, S3). The tier provides `_lock`, `_index` (held hashes), `_used`,
+    `_reserved` (bytes of puts in progress) and `_check_open()`."""
+
+    def footprint(self, nbytes: int) -> int:
+        if nbytes > self.capacity_bytes:
+            raise CapacityError(f"{self.name}: object of {nbytes} B exceeds capacity {self.capacity_bytes} B")
+        return nbytes
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return max(0, self.capacity_bytes - self._used - self._reserved)
+
+    def _admit(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[int]:
+        """Indices of the objects to write now: new, first of their hash in
+        the batch, and within capacity; their bytes are reserved (the caller
+        releases the reservation when the writes end)."""
+        assert len(hashes) == len(objs), "one object per hash"
+        for obj in objs:
+            assert obj.dtype == torch.uint8 and obj.dim() == 1 and obj.is_contiguous(), \
+                "objects are 1-D contiguous uint8 tensors"
+            self.footprint(obj.numel())
+        todo: list[int] = []
+        with self._lock:
+            self._check_open()
+            seen: set[BlockHash] = set()
+            for i, (h, obj) in enumerate(zip(hashes, objs)):
+                if h in seen or h in self._index:
+                    continue
+                seen.add(h)
+                if self._used + self._reserved + obj.numel() <= self.capacity_bytes:
+                    self._reserved += obj.numel()
+                    todo.append(i)
+        return todo

@@ -37,8 +37,8 @@ import lmdb
 import torch
 import xxhash
 
-from tiers.base import Tier
-from tiers.types import HASH_BYTES, BlockHash, CapacityError, TierKVError, TierUnavailableError
+from tiers.base import ByteBudget, Tier
+from tiers.types import HASH_BYTES, BlockHash, TierKVError, TierUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class _Entry:
         return _ENTRY.pack(self.size, self.csum, self.atime)
 
 
-class DiskTier(Tier):
+class DiskTier(ByteBudget, Tier):
     """Block objects as checksummed files under `root`, indexed by lmdb.
 
     `fsync` False skips every fsync (tests, throwaway caches): the tier stays
@@ -133,32 +133,8 @@ class DiskTier(Tier):
         """Where the data file of `h` lives (whether or not it exists)."""
         return self._data / h.hex()
 
-    def footprint(self, nbytes: int) -> int:
-        if nbytes > self.capacity_bytes:
-            raise CapacityError(f"disk: object of {nbytes} B exceeds capacity {self.capacity_bytes} B")
-        return nbytes
-
-    def free_bytes(self) -> int:
-        with self._lock:
-            return max(0, self.capacity_bytes - self._used - self._reserved)
-
     def put_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[bool]:
-        assert len(hashes) == len(objs), "one object per hash"
-        for obj in objs:
-            assert obj.dtype == torch.uint8 and obj.dim() == 1 and obj.is_contiguous(), \
-                "objects are 1-D contiguous uint8 tensors"
-            self.footprint(obj.numel())
-        todo: list[int] = []
-        with self._lock:
-            self._check_open()
-            seen: set[BlockHash] = set()
-            for i, (h, obj) in enumerate(zip(hashes, objs)):
-                if h in seen or h in self._index:
-                    continue
-                seen.add(h)
-                if self._used + self._reserved + obj.numel() <= self.capacity_bytes:
-                    self._reserved += obj.numel()
-                    todo.append(i)
+        todo = self._admit(hashes, objs)
         try:
             written = [self._write_temp(hashes[i], objs[i]) for i in todo]
             self._commit([w for w in written if w is not None])

@@ -47,9 +47,9 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
 
 from tiers import s3_io
-from tiers.base import Tier
+from tiers.base import ByteBudget, Tier
 from tiers.s3_io import AUTH, MIB, MISSING, Throttled, error_code, looks_down, read_body, validate
-from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError
+from tiers.types import BlockHash, ConfigError, TierKVError
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ _DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 limit)
 T = TypeVar("T")
 
 
-class S3Tier(Tier):
+class S3Tier(ByteBudget, Tier):
     """Block objects in `bucket` under `prefix`; any S3-compatible endpoint.
 
     `endpoint_url` None means AWS; `access_key`/`secret_key` None use boto3's
@@ -184,32 +184,8 @@ class S3Tier(Tier):
 
     # -- writes -----------------------------------------------------------------
 
-    def footprint(self, nbytes: int) -> int:
-        if nbytes > self.capacity_bytes:
-            raise CapacityError(f"s3: object of {nbytes} B exceeds capacity {self.capacity_bytes} B")
-        return nbytes
-
-    def free_bytes(self) -> int:
-        with self._lock:
-            return max(0, self.capacity_bytes - self._used - self._reserved)
-
     def put_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[bool]:
-        assert len(hashes) == len(objs), "one object per hash"
-        for obj in objs:
-            assert obj.dtype == torch.uint8 and obj.dim() == 1 and obj.is_contiguous(), \
-                "objects are 1-D contiguous uint8 tensors"
-            self.footprint(obj.numel())
-        todo: list[int] = []
-        with self._lock:
-            self._check_open()
-            seen: set[BlockHash] = set()
-            for i, (h, obj) in enumerate(zip(hashes, objs)):
-                if h in seen or h in self._index:
-                    continue
-                seen.add(h)
-                if self._used + self._reserved + obj.numel() <= self.capacity_bytes:
-                    self._reserved += obj.numel()
-                    todo.append(i)
+        todo = self._admit(hashes, objs)
         try:
             ok = self._map(lambda i: self._put_one(hashes[i], objs[i]), todo)
         finally:
