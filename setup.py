@@ -1,8 +1,9 @@
-"""Optional C accelerator for block hashing; everything else is in pyproject.toml.
+"""Optional C accelerators; everything else is in pyproject.toml.
 
-The extension needs libxxhash's header (Debian: libxxhash-dev). Without it
-the build skips the extension and cache_service.keys uses its Python loop,
-which produces the same digests.
+_hashchain (block hashing) needs libxxhash's header (Debian: libxxhash-dev);
+_fastcopy (batched block copies) only a C compiler. Whatever fails to build
+is skipped, and the Python code that each replaces (cache_service/keys.py,
+tiers/cpu.py) produces the same digests and bytes.
 """
 import os
 
@@ -25,5 +26,7 @@ class OptionalBuildExt(build_ext):
 
 
 have_header = os.path.exists("/usr/include/xxhash.h")
-ext = [Extension("cache_service._hashchain", ["cache_service/_hashchain.c"], libraries=["xxhash"])]
-setup(ext_modules=ext if have_header else [], cmdclass={"build_ext": OptionalBuildExt})
+ext = [Extension("cache_service._fastcopy", ["cache_service/_fastcopy.c"], extra_compile_args=["-O2"])]
+if have_header:
+    ext.append(Extension("cache_service._hashchain", ["cache_service/_hashchain.c"], libraries=["xxhash"]))
+setup(ext_modules=ext, cmdclass={"build_ext": OptionalBuildExt})

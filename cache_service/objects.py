@@ -22,6 +22,7 @@ raises CorruptBlockError, which the store turns into a quarantined miss.
 from __future__ import annotations
 
 import struct
+from functools import lru_cache
 
 import torch
 import xxhash
@@ -55,7 +56,8 @@ def checksum(payload: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(_as_bytes(payload))
 
 
-def _header(ns: Namespace, h: BlockHash, csum: int) -> bytes:
+def header(ns: Namespace, h: BlockHash, csum: int) -> bytes:
+    """The HEADER_SIZE header bytes of block `h` under `ns` whose payload has checksum `csum`."""
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION, HEADER_SIZE, ns.fingerprint(), h,
         ns.num_layers, ns.kv_heads, ns.head_dim, ns.block_tokens,
@@ -78,9 +80,35 @@ def encode_into(out: torch.Tensor, ns: Namespace, h: BlockHash, payload: torch.T
         raise ValueError(f"payload has {flat.numel()} bytes, namespace expects {ns.payload_bytes}")
     obj = out[:size]
     obj[HEADER_SIZE:].copy_(flat)
-    hdr = _header(ns, h, checksum(obj[HEADER_SIZE:]))
+    hdr = header(ns, h, checksum(obj[HEADER_SIZE:]))
     obj[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(hdr), dtype=torch.uint8))
     return obj
+
+
+@lru_cache(maxsize=256)
+def _fixed_parts(ns: Namespace) -> tuple[bytes, bytes]:
+    """Header bytes [0, 24) and [40, 72): the same in every object under `ns`."""
+    raw = header(ns, BlockHash(bytes(16)), 0)
+    return raw[:24], raw[40:72]
+
+
+_PADDING = bytes(HEADER_SIZE - _FIXED.size - _TAIL.size)
+
+
+def claimed_checksum(obj: torch.Tensor, ns: Namespace, h: BlockHash) -> int | None:
+    """The payload checksum in `obj`'s header if that header (and the size) is
+    exactly what an object of block `h` under `ns` has, else None: `decode`'s
+    header checks as a few bytes comparisons, for the hot paths. Callers run
+    `decode` for the diagnosis when it fails."""
+    if obj.dtype != torch.uint8 or obj.dim() != 1 or obj.numel() != object_size(ns) or obj.device.type != "cpu":
+        return None
+    raw = obj[:HEADER_SIZE].numpy().tobytes()
+    head, layout = _fixed_parts(ns)
+    if raw[:24] != head or raw[24:40] != h or raw[40:72] != layout or raw[_FIXED.size + _TAIL.size:] != _PADDING:
+        return None
+    if _TAIL.unpack_from(raw, _FIXED.size)[0] != xxhash.xxh3_64_intdigest(raw[: _FIXED.size]):
+        return None
+    return int.from_bytes(raw[72:80], "little")
 
 
 def encode(ns: Namespace, h: BlockHash, payload: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,8 @@ import torch
 from cache_service.config import StoreConfig
 from cache_service.eviction.base import EvictionPolicy
 from cache_service.keys import Namespace
-from cache_service.objects import HEADER_SIZE, checksum, decode, encode, encode_into, object_size
-from cache_service.objects import _header as header_bytes  # noqa: PLC2701 (see claimed_checksum)
+from cache_service.objects import HEADER_SIZE, checksum, claimed_checksum, decode, encode, encode_into, object_size
+from cache_service.objects import header as header_bytes  # noqa: F401 (server.py imports it from here)
 from cache_service.writer import Item, TierWriter
 from tiers.base import Tier
 from tiers.types import BlockHash, CapacityError, CorruptBlockError, TierKVError
@@ -55,20 +55,7 @@ if TYPE_CHECKING:
     from tiers.redis_dir import RedisDirectory
 
 log = logging.getLogger("tierkv.store")
-_CHECKSUM_AT = 72  # offset of the payload checksum in an object header (cache_service/objects.py)
 _COUNTERS = ("hits", "misses", "evictions", "corrupt", "promoted", "demoted", "dropped", "bypassed")
-
-
-def claimed_checksum(obj: torch.Tensor, ns: Namespace, h: BlockHash) -> int | None:
-    """The payload checksum in `obj`'s header if that header (and the size) is
-    exactly what an object of block `h` under `ns` has, else None. One bytes
-    comparison covers magic, version, namespace, hash, layout, length and the
-    header checksum; callers run `decode` for the diagnosis when it fails."""
-    if obj.dtype != torch.uint8 or obj.dim() != 1 or obj.numel() != object_size(ns) or obj.device.type != "cpu":
-        return None
-    raw = bytes(obj[:HEADER_SIZE].numpy())
-    csum = int.from_bytes(raw[_CHECKSUM_AT: _CHECKSUM_AT + 8], "little")
-    return csum if raw == header_bytes(ns, h, csum) else None
 
 
 class TieredStore:

@@ -20,6 +20,11 @@ import torch
 from tiers.base import Tier
 from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError
 
+try:  # batched host copies without per-copy interpreter overhead (setup.py builds it)
+    from cache_service._fastcopy import copy_many
+except ImportError:  # pragma: no cover - no C compiler where installed
+    copy_many = None
+
 
 class SlotPool(Tier):
     """A fixed-slot object pool on one torch device.
@@ -294,6 +299,9 @@ def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     wait guarantees no slot is reused or handed out while a copy still reads
     or writes it.
     """
+    if copy_many is not None and all(_host_bytes(d) and _host_bytes(s) for d, s in pairs):
+        copy_many([d.numpy() for d, _ in pairs], [s.numpy() for _, s in pairs])
+        return
     devices: set[torch.device] = set()
     for dst, src in pairs:
         cross = dst.device != src.device
@@ -305,3 +313,8 @@ def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                 devices.add(t.device)
     for dev in devices:
         torch.cuda.current_stream(dev).synchronize()
+
+
+def _host_bytes(t: torch.Tensor) -> bool:
+    """A contiguous uint8 CPU tensor: its numpy view shares the bytes."""
+    return t.device.type == "cpu" and t.dtype == torch.uint8 and t.is_contiguous()

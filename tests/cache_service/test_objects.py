@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from cache_service.keys import Namespace, prefix_hashes
-from cache_service.objects import HEADER_SIZE, decode, encode, object_size
+from cache_service.objects import HEADER_SIZE, checksum, claimed_checksum, decode, encode, object_size
 from tiers.types import CorruptBlockError
 
 NS = Namespace("tiny", "bfloat16", num_layers=2, kv_heads=2, head_dim=8, block_tokens=4)
@@ -31,6 +31,22 @@ def test_any_flipped_bit_is_detected(offset):
     obj[offset] ^= 0x10
     with pytest.raises(CorruptBlockError):
         decode(obj, NS, H[0])
+
+
+def test_fast_header_check_agrees_with_decode_on_every_header_bit():
+    # an intact object: the fast check returns the payload checksum decode verifies
+    obj = encode(NS, H[0], _payload(4))
+    assert claimed_checksum(obj, NS, H[0]) == checksum(obj[HEADER_SIZE:])
+    # any one flipped bit of the header, padding included, makes it refuse, as decode does
+    for byte in range(HEADER_SIZE):
+        for bit in (0, 7):
+            bad = obj.clone()
+            bad[byte] ^= 1 << bit
+            assert claimed_checksum(bad, NS, H[0]) is None, (byte, bit)
+    # another block's hash, another tenant, another size: refused too
+    assert claimed_checksum(obj, NS, H[1]) is None
+    assert claimed_checksum(obj, NS.with_tenant("other"), H[0]) is None
+    assert claimed_checksum(obj[:-1], NS, H[0]) is None
 
 
 def test_truncated_swapped_and_foreign_objects_are_detected():

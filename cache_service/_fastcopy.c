@@ -1,0 +1,68 @@
+/* Many block copies in one call, with the GIL released.
+ *
+ * copy_many(dsts, srcs) copies each srcs[i] into the start of dsts[i]. The
+ * data paths copy dozens of few-hundred-KiB blocks per request; a torch
+ * copy_ per block costs microseconds of interpreter and dispatch each, which
+ * at these sizes is a good part of the copy itself. tiers/cpu.py falls back
+ * to torch copies without this module (and for device memory). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+static int get_pair(PyObject *d, PyObject *s, Py_buffer *dst, Py_buffer *src) {
+    if (PyObject_GetBuffer(d, dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (PyObject_GetBuffer(s, src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(dst);
+        return -1;
+    }
+    if (dst->len < src->len) {
+        PyErr_Format(PyExc_ValueError, "destination has %zd bytes, source %zd", dst->len, src->len);
+        PyBuffer_Release(dst);
+        PyBuffer_Release(src);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *copy_many(PyObject *self, PyObject *args) {
+    PyObject *dl, *sl;
+    if (!PyArg_ParseTuple(args, "OO", &dl, &sl)) return NULL;
+    PyObject *dseq = PySequence_Fast(dl, "dsts must be a sequence");
+    PyObject *sseq = dseq ? PySequence_Fast(sl, "srcs must be a sequence") : NULL;
+    if (!sseq) { Py_XDECREF(dseq); return NULL; }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(dseq);
+    Py_buffer *bufs = NULL;
+    Py_ssize_t got = 0;
+    if (n != PySequence_Fast_GET_SIZE(sseq)) {
+        PyErr_SetString(PyExc_ValueError, "one destination per source");
+        goto done;
+    }
+    bufs = PyMem_Calloc(n ? 2 * n : 1, sizeof(Py_buffer));
+    if (!bufs) { PyErr_NoMemory(); goto done; }
+    for (; got < n; got++) {
+        PyObject *d = PySequence_Fast_GET_ITEM(dseq, got), *s = PySequence_Fast_GET_ITEM(sseq, got);
+        if (get_pair(d, s, &bufs[2 * got], &bufs[2 * got + 1]) < 0) goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) memcpy(bufs[2 * i].buf, bufs[2 * i + 1].buf, (size_t)bufs[2 * i + 1].len);
+    Py_END_ALLOW_THREADS
+done:
+    for (Py_ssize_t i = 0; i < got; i++) {
+        PyBuffer_Release(&bufs[2 * i]);
+        PyBuffer_Release(&bufs[2 * i + 1]);
+    }
+    PyMem_Free(bufs);
+    Py_DECREF(dseq);
+    Py_DECREF(sseq);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_many", copy_many, METH_VARARGS, "copy_many(dsts, srcs): dsts[i][:len(srcs[i])] = srcs[i]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastcopy", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__fastcopy(void) { return PyModule_Create(&module); }
