@@ -184,7 +184,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         S = object_size(ns)
         region = self.attachments.get(request.attachment, tenant).region(request.offset, len(keys) * S)
         # one copy: pool slot -> the client's object slot i, verified there
-        hits = self.store.load_into(ns, keys, [region[i * S: (i + 1) * S] for i in range(len(keys))])
+        hits = self.store.load_into(ns, keys, region.view(len(keys), S).unbind(0))
         sizes = [ns.payload_bytes if hit else 0 for hit in hits]
         self.metrics.moved(tenant, "load", sum(sizes))
         return pb.LoadShmReply(sizes=sizes)
@@ -195,7 +195,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         S, total = object_size(ns), self._check_request_bytes(len(keys), ns)
         region = self.attachments.get(request.attachment, tenant).region(request.offset, len(keys) * S)
         sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, self.s.max_blocks)
-        objs = [region[i * S: (i + 1) * S] for i in range(len(keys))]
+        objs = region.view(len(keys), S).unbind(0)
         try:  # the client encoded the objects in place: check them in full, then one copy into the pool
             for obj, h, key in zip(objs, sent, keys):
                 _adopt(obj, sent_ns, h, ns, key)
