@@ -28,6 +28,7 @@ import os
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from itertools import count
 from pathlib import Path
@@ -58,6 +59,22 @@ class _Entry:
 
     def pack(self) -> bytes:
         return _ENTRY.pack(self.size, self.csum, self.atime)
+
+
+_READ_THREADS = 8
+_readers_pool: ThreadPoolExecutor | None = None
+_readers_lock = threading.Lock()
+
+
+def _readers() -> ThreadPoolExecutor:
+    """Threads that read a batch's files concurrently (shared by all disk
+    tiers): one read at a time leaves an SSD or a virtual disk mostly idle,
+    waiting out each read's latency in turn."""
+    global _readers_pool
+    with _readers_lock:
+        if _readers_pool is None:
+            _readers_pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="tierkv-disk-read")
+        return _readers_pool
 
 
 class DiskTier(ByteBudget, Tier):
@@ -260,10 +277,13 @@ class DiskTier(ByteBudget, Tier):
                 if e is not None:
                     e.atime = self._tick()
                     self._dirty.add(h)
+        found = [(h, e) for h, e in zip(hashes, entries) if e is not None]
+        read = iter(_readers().map(self._read, *zip(*found)) if len(found) > 1 else
+                    [self._read(h, e) for h, e in found])
         out: list[torch.Tensor | None] = []
         corrupt = 0
         for h, e in zip(hashes, entries):
-            obj = self._read(h, e) if e is not None else None
+            obj = next(read) if e is not None else None
             if obj is None and e is not None:
                 corrupt += self._set_aside(h, e)
             out.append(obj)
