@@ -277,6 +277,9 @@ def _run_child(venv_py: Path, model: str, cases: list[dict], work: Path, log) ->
     return json.loads(out.read_text())
 
 
+STORE_PHASES = ("ours_cold_mem", "ours_cold_disk", "example_store", "lmcache_store")  # send the "store" prompts
+
+
 def make_prompts(tokens: int, docs: int) -> dict[str, list]:
     """The issue's two workloads, as token ids (random, so no tokenizer is involved):
 
@@ -312,9 +315,8 @@ def build_cases(prompts: dict[str, list], work: Path, daemon_url: str | None, lm
     cases: list[dict] = []
 
     def add(kind: str, arg: str, *phases: tuple[str, str]) -> None:
-        """phases: (name, directory whose page cache is dropped first, or ""); the
-        first one sends the store prompts (the cold engine: the warm ones)."""
-        steps = [{"name": n, "before": before, "reset": i > 0, "prompts": "warm" if i or kind == "none" else "store"}
+        """phases: (name, directory whose page cache is dropped first, or "")."""
+        steps = [{"name": n, "before": before, "reset": i > 0, "prompts": "store" if n in STORE_PHASES else "warm"}
                  for i, (n, before) in enumerate(phases)]
         for group in ([steps] if quick else [[{**st, "reset": False}] for st in steps]):
             cases.append({"kind": kind, "arg": arg, "phases": group, "prompts": prompts,
