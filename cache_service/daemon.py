@@ -34,13 +34,13 @@ from grpc_reflection.v1alpha import reflection
 from cache_service.auth import AuthInterceptor, Authenticator, server_credentials
 from cache_service.config import Config, default_cache_dir
 from cache_service.factory import open_store
+from cache_service.framing import StoreMessage
 from cache_service.metrics import Metrics
 from cache_service.server import ServerSettings, TierKVServicer
 from cache_service.sessions import SessionStore
 from cache_service.shm import Attachments
 from cache_service.store import TieredStore
 from proto import tierkv_pb2 as pb
-from proto import tierkv_pb2_grpc as pb_grpc
 from tiers.types import TierKVError
 
 log = logging.getLogger("tierkv.server")
@@ -72,7 +72,9 @@ class Daemon:
         self.server = grpc.server(ThreadPoolExecutor(s.workers, thread_name_prefix="tierkv-rpc"),
                                   interceptors=[AuthInterceptor(self.auth, reject)], options=options,
                                   maximum_concurrent_rpcs=s.max_concurrent_rpcs)
-        pb_grpc.add_TierKVServicer_to_server(self.servicer, self.server)
+        handlers = tierkv_handlers(self.servicer)
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self.server.add_registered_method_handlers(SERVICE, handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self.server)
@@ -137,6 +139,26 @@ class Daemon:
                 n = self.attachments.reap()
                 if n:
                     log.info("reaped idle shared-memory segments", extra={"fields": {"count": n}})
+
+
+def tierkv_handlers(servicer: TierKVServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The TierKV method handlers: the generated messages' (de)serializers,
+    except on the streamed data path, whose messages the servicer frames and
+    reads itself (cache_service/framing.py): Load yields serialized
+    LoadChunks, Store gets each StoreChunk as a `StoreMessage`."""
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    handlers = {}
+    for m in pb.DESCRIPTOR.services_by_name["TierKV"].methods:
+        request, reply = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
+        handlers[m.name] = kinds[m.client_streaming, m.server_streaming](
+            getattr(servicer, m.name), request_deserializer=request.FromString,
+            response_serializer=reply.SerializeToString)
+    handlers["Load"] = grpc.unary_stream_rpc_method_handler(servicer.Load,
+                                                            request_deserializer=pb.LoadRequest.FromString)
+    handlers["Store"] = grpc.stream_unary_rpc_method_handler(servicer.Store, request_deserializer=StoreMessage,
+                                                             response_serializer=pb.StoreReply.SerializeToString)
+    return handlers
 
 
 def sessions_root(cfg: Config) -> str:

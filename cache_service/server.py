@@ -14,20 +14,22 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import grpc
 import torch
 
 from cache_service.auth import Authenticator, tenant_keys
+from cache_service.framing import FramingError, ObjectReader, StoreMessage, admit, load_messages, object_pieces
 from cache_service.keys import Namespace, prefix_hashes
 from cache_service.metrics import Metrics
-from cache_service.objects import HEADER_SIZE, checksum, decode, encode_into, object_size
+from cache_service.objects import HEADER_SIZE, checksum, decode, object_size
 from cache_service.rpc import rpc
 from cache_service.sessions import SessionStore
 from cache_service.shm import DATA_OFFSET, Attachments, host_id
 from cache_service.store import TieredStore, claimed_checksum, header_bytes
-from cache_service.wire import (BlockSink, RequestError, byte_view, hashes_from_pb, invalid, iter_chunks,
-                                ns_from_pb, require_ns, session_from_pb, session_to_pb, stats_to_pb)
+from cache_service.wire import (RequestError, hashes_from_pb, invalid, ns_from_pb, require_ns, session_from_pb,
+                                session_to_pb, stats_to_pb)
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
 from tiers.types import BlockHash, ConfigError, CorruptBlockError
@@ -133,39 +135,66 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     @rpc
     def Load(self, request, context, tenant):
+        # whole objects, headed for the client's (namespace, hash): it checks them (cache_service/framing.py)
         ns, keys = self._blocks(request, tenant)
-        group = max(1, self.s.load_batch_bytes // ns.payload_bytes)
+        yield from load_messages(self._loaded(request, ns, keys, tenant), ns.payload_bytes, self.s.chunk_bytes)
+
+    def _loaded(self, request, ns: Namespace, keys: list[BlockHash], tenant: str | None) -> Iterator[list | None]:
+        """Load's object pieces (framing.object_pieces) per block, None for a
+        miss, read a few messages ahead of the socket: the first message leaves
+        without waiting for the whole request to be read."""
+        sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, self.s.max_blocks)
+        S = object_size(ns)
+        group = max(1, min(self.s.load_batch_bytes, 4 * self.s.chunk_bytes) // S)
         for start in range(0, len(keys), group):
-            payloads = self.store.load(ns, keys[start: start + group])
-            sizes = [0 if p is None else ns.payload_bytes for p in payloads]
-            chunks = iter_chunks((byte_view(p) for p in payloads if p is not None), self.s.chunk_bytes)
-            yield pb.LoadChunk(sizes=sizes, data=next(chunks, b""))
-            for data in chunks:
-                yield pb.LoadChunk(data=data)
-            self.metrics.moved(tenant, "load", sum(sizes))
+            part = range(start, min(len(keys), start + group))
+            buf = torch.empty(len(part) * S, dtype=torch.uint8)  # a few MiB: the allocator recycles it
+            hits = self.store.load_into(ns, [keys[i] for i in part], buf.view(len(part), S).unbind(0))
+            objs = memoryview(buf.numpy())
+            pieces = [object_pieces(objs[j * S: (j + 1) * S], ns, keys[i], sent_ns, sent[i]) if hit else None
+                      for j, (i, hit) in enumerate(zip(part, hits))]
+            yield from pieces
+            self.metrics.moved(tenant, "load", ns.payload_bytes * sum(p is not None for p in pieces))
 
     @rpc
     def Store(self, request_iterator, context, tenant):
         first = next(request_iterator, None)
         if first is None:
             raise invalid("empty Store stream: the first message must carry ns and hashes")
-        ns, keys = self._blocks(first, tenant)
+        if first.error:
+            raise invalid(f"malformed Store message: {first.error}")
+        ns, keys = self._blocks(first.head, tenant)
         total = self._check_request_bytes(len(keys), ns)
-        sink = BlockSink(len(keys), ns.payload_bytes, lead=HEADER_SIZE)  # payloads land in their objects
-        for msg in itertools.chain([first], request_iterator):
-            if msg is not first and (msg.HasField("ns") or len(msg.hashes)):
-                raise invalid("ns and hashes belong in the first Store message only")
-            if not sink.write(msg.data):
-                raise invalid(f"Store sent more than {len(keys)} blocks x {ns.payload_bytes} payload bytes")
-        if not sink.full and not context.is_active():
+        objs, reader = self._receive_objects(first, request_iterator, ns, keys)
+        if len(objs) < len(keys) and not context.is_active():
             raise RequestError(grpc.StatusCode.CANCELLED, "the client went away mid-stream; nothing stored")
-        if not sink.full:
-            raise invalid(f"Store sent {sink.received} payload bytes; {len(keys)} blocks of "
-                          f"{ns.payload_bytes} bytes need {total}")
-        objs = [encode_into(b, ns, h, b[HEADER_SIZE:]) for b, h in zip(sink.blocks, keys)]  # header only
-        stored = self.store.store_objects(ns, keys, objs, verify=False, owned=True)
+        if len(objs) < len(keys):
+            raise invalid(f"Store sent {reader.received} bytes; {len(keys)} block objects of {reader.size} "
+                          f"bytes need {len(keys) * reader.size}")
+        stored = self.store.store_objects(ns, keys, objs, verify=False, owned=True)  # checked on arrival
         self.metrics.moved(tenant, "store", total)
         return pb.StoreReply(stored=stored)
+
+    def _receive_objects(self, first: StoreMessage, rest, ns: Namespace,
+                         keys: list[BlockHash]) -> tuple[list[torch.Tensor], ObjectReader]:
+        """Store's objects, each checked in full as it arrives (framing.admit),
+        mostly left in the received messages; stops early if the stream does."""
+        sent_ns, sent = ns_from_pb(first.head.ns), hashes_from_pb(first.head.hashes, self.s.max_blocks)
+        reader, objs = ObjectReader(object_size(ns)), []
+        reader.expect(len(keys))
+        for msg in itertools.chain([first], rest):
+            if msg.error:
+                raise invalid(f"malformed Store message: {msg.error}")
+            if msg is not first and (msg.head.HasField("ns") or len(msg.head.hashes)):
+                raise invalid("ns and hashes belong in the first Store message only")
+            try:
+                for obj in reader.feed(msg.data):
+                    objs.append(admit(obj, sent_ns, sent[len(objs)], ns, keys[len(objs)]))
+            except FramingError:
+                raise invalid(f"Store sent more than {len(keys)} block objects of {reader.size} bytes") from None
+            except CorruptBlockError as e:
+                raise invalid(f"Store: block {len(objs)} is not a valid object for its hash ({e})") from None
+        return objs, reader
 
     # ------------------------------------------------------------ shared memory
     @rpc

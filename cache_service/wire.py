@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields
-from typing import Iterable, Iterator, Sequence
+from typing import Sequence
 
 import grpc
 import torch
@@ -82,12 +82,6 @@ def torch_dtype(ns: Namespace) -> torch.dtype:
     return getattr(torch, ns.kv_dtype)
 
 
-def byte_view(t: torch.Tensor) -> memoryview:
-    """Zero-copy bytes of a CPU tensor (made contiguous first if needed)."""
-    t = t.detach().cpu().contiguous()
-    return memoryview(t.view(-1).view(torch.uint8).numpy())
-
-
 def check_payloads(ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> None:
     """The store's own argument checks, made before anything is sent."""
     if len(hashes) != len(payloads):
@@ -101,54 +95,6 @@ def check_payloads(ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequenc
 def as_payload(buf: torch.Tensor, ns: Namespace) -> torch.Tensor:
     """A uint8 buffer of ns.payload_bytes as the canonical payload view."""
     return buf.view(torch_dtype(ns)).view(ns.block_shape)
-
-
-class BlockSink:
-    """Receives a byte stream into `count` fresh per-block buffers of
-    `block_bytes` each (one allocation per block: the allocator recycles
-    those, where one large buffer would be fresh, page-faulting memory).
-    With `lead`, each buffer starts with that many bytes left for a header
-    and the block's bytes land after them (so no later copy adds one)."""
-
-    def __init__(self, count: int, block_bytes: int, lead: int = 0) -> None:
-        self.blocks = [torch.empty(lead + block_bytes, dtype=torch.uint8) for _ in range(count)]
-        self._views = [memoryview(b.numpy())[lead:] for b in self.blocks]
-        self.block_bytes, self.total, self.received = block_bytes, count * block_bytes, 0
-
-    @property
-    def full(self) -> bool:
-        return self.received == self.total
-
-    def write(self, data: bytes) -> bool:
-        """Append `data`; False (and nothing written) if it overruns the blocks."""
-        if self.received + len(data) > self.total:
-            return False
-        src, pos = memoryview(data), 0
-        while pos < len(src):
-            i, off = divmod(self.received, self.block_bytes)
-            take = min(len(src) - pos, self.block_bytes - off)
-            self._views[i][off: off + take] = src[pos: pos + take]
-            pos += take
-            self.received += take
-        return True
-
-
-def iter_chunks(views: Iterable[memoryview], chunk_bytes: int) -> Iterator[bytes]:
-    """The concatenation of `views` cut into bytes objects of `chunk_bytes`
-    (the last may be shorter): one copy per byte, none per view boundary."""
-    parts: list[memoryview] = []
-    room = chunk_bytes
-    for v in views:
-        while len(v):
-            take = v[:room]
-            parts.append(take)
-            v = v[len(take):]
-            room -= len(take)
-            if not room:
-                yield b"".join(parts)
-                parts, room = [], chunk_bytes
-    if parts:
-        yield b"".join(parts)
 
 
 # ---------------------------------------------------------------- sessions

@@ -32,13 +32,13 @@ from urllib.parse import parse_qs, urlsplit
 import grpc
 import torch
 
+from cache_service import framing
 from cache_service.auth import channel_credentials
 from cache_service.keys import Namespace
 from cache_service.objects import HEADER_SIZE, encode_into, object_size
 from cache_service.sessions import Session, SessionError
 from cache_service.shm import Segment, host_id
-from cache_service.wire import (BlockSink, as_payload, byte_view, check_payloads, iter_chunks, ns_to_pb,
-                                session_from_pb, session_to_pb, stats_from_pb, torch_dtype)
+from cache_service.wire import check_payloads, ns_to_pb, session_from_pb, session_to_pb, stats_from_pb, torch_dtype
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
 from tiers.types import BlockHash, TierKVError, TierUnavailableError
@@ -87,10 +87,12 @@ class GrpcClient:
         else:
             self._channel = grpc.insecure_channel(self.target, options)
         self._stub = pb_grpc.TierKVStub(self._channel)
-        # Load replies parsed by hand: their payload bytes are read in place (see _load_chunk)
+        # the streamed data path frames its messages by hand: objects are read in place (cache_service/framing.py)
         self._load_rpc = self._channel.unary_stream("/tierkv.v1.TierKV/Load",
                                                     request_serializer=pb.LoadRequest.SerializeToString,
-                                                    response_deserializer=_load_chunk)
+                                                    response_deserializer=framing.parse_load_chunk)
+        self._store_rpc = self._channel.stream_unary("/tierkv.v1.TierKV/Store",
+                                                     response_deserializer=pb.StoreReply.FromString)
         self._shm: Segment | None = None
         self._shm_bytes, self._retry_at = 0, 0.0  # segment size to re-attach; when to try
         self._attachment = ""
@@ -316,75 +318,28 @@ class GrpcClient:
             return self.call("StoreShm", req).stored
 
     def _load_stream(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
-        P, out = ns.payload_bytes, []
-        sizes: list[int] = []
-        sink: BlockSink | None = None
-        for msg_sizes, data in self._load_rpc(pb.LoadRequest(ns=_ns(ns), hashes=list(hashes)),
+        """Whole objects, each copied once out of its message and checked
+        (header and checksum): a corrupt block is a miss."""
+        reader = framing.LoadReader(ns, hashes)
+        try:
+            for sizes, data in self._load_rpc(pb.LoadRequest(ns=_ns(ns), hashes=list(hashes)),
                                               timeout=self.timeout_s, metadata=self._md):
-            if msg_sizes:  # a new group: the previous one must be complete
-                if sink is not None:
-                    out += _finish(sink, sizes, ns)
-                sizes = msg_sizes
-                _check_sizes(sizes, len(sizes), P)
-                sink = BlockSink(sum(1 for s in sizes if s), P)
-            if len(data) and (sink is None or not sink.write(data)):
-                raise _ProtocolError("Load: more payload bytes than announced")
-        if sink is not None:
-            out += _finish(sink, sizes, ns)
-        if len(out) != len(hashes):
-            raise _ProtocolError(f"Load: {len(out)} answers for {len(hashes)} hashes")
+                reader.feed(sizes, data)
+            out = reader.result()
+        except framing.FramingError as e:
+            raise _ProtocolError(f"Load: {e}") from None
+        if reader.corrupt:
+            log.warning("tierkv daemon %s: %d streamed blocks failed their checks; treated as misses",
+                        self.target, reader.corrupt)
         return out
 
     def _store_stream(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
-        chunk = self.hello.chunk_bytes
-
-        def requests():
-            chunks = iter_chunks((byte_view(p) for p in payloads), chunk)
-            yield pb.StoreChunk(ns=_ns(ns), hashes=list(hashes), data=next(chunks, b""))
-            for data in chunks:
-                yield pb.StoreChunk(data=data)
-
-        return self._stub.Store(requests(), timeout=self.timeout_s, metadata=self._md).stored
-
-
-def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise _ProtocolError("Load: malformed reply")
-        b = buf[pos]
-        value |= (b & 0x7F) << shift
-        pos, shift = pos + 1, shift + 7
-        if b < 0x80:
-            return value, pos
-
-
-def _load_chunk(raw: bytes) -> tuple[list[int], memoryview]:
-    """(sizes, data) of a serialized LoadChunk, `data` a view of `raw`: the
-    generated parser would copy the payload bytes twice (into the message,
-    then out as a new bytes object). Everything but the data field (field 2,
-    length-delimited) goes to the generated parser, so sizes decode as ever."""
-    buf, pos, data, rest = memoryview(raw), 0, memoryview(b""), []
-    while pos < len(buf):
-        start = pos
-        tag, pos = _varint(buf, pos)
-        kind = tag & 7
-        if kind == 0:
-            pos = _varint(buf, pos)[1]
-        elif kind == 2:
-            n, pos = _varint(buf, pos)
-            if tag >> 3 == 2:
-                data, start = buf[pos: pos + n], pos + n
-            pos += n
-        elif kind in (1, 5):
-            pos += 8 if kind == 1 else 4
-        else:
-            raise _ProtocolError(f"Load: unexpected wire type {kind}")
-        if pos > len(buf):
-            raise _ProtocolError("Load: truncated reply")
-        if start < pos:
-            rest.append(buf[start:pos])
-    return list(pb.LoadChunk.FromString(b"".join(rest)).sizes), data
+        """Whole objects, checksummed here and copied once into their messages;
+        the daemon checks each and stores it from the message."""
+        head = pb.StoreChunk(ns=_ns(ns), hashes=list(hashes)).SerializeToString()
+        objects = (framing.encode_pieces(ns, h, p) for h, p in zip(hashes, payloads))
+        requests = framing.store_messages(head, objects, object_size(ns), self.hello.chunk_bytes)
+        return self._store_rpc(requests, timeout=self.timeout_s, metadata=self._md).stored
 
 
 def _why(e: Exception) -> str:
@@ -396,12 +351,6 @@ def _check_sizes(sizes: Sequence[int], n: int, payload_bytes: int) -> None:
         raise _ProtocolError(f"daemon announced sizes {list(sizes)[:8]}... for {n} blocks of {payload_bytes} bytes")
 
 
-def _place(blocks: Sequence[torch.Tensor], sizes: Sequence[int], ns: Namespace) -> list[torch.Tensor | None]:
-    """The hits' buffers at their positions as payload views, None for misses."""
-    hits = iter(blocks)
-    return [as_payload(next(hits), ns) if s else None for s in sizes]
-
-
 def _payload_views(area: torch.Tensor, ns: Namespace, n: int) -> list[torch.Tensor]:
     """Payload views of the n objects laid out back to back in `area`: one
     strided view, unbound (a view per block built in Python costs more than
@@ -409,12 +358,6 @@ def _payload_views(area: torch.Tensor, ns: Namespace, n: int) -> list[torch.Tens
     S, item = object_size(ns), torch_dtype(ns).itemsize
     rows = area[: n * S].view(torch_dtype(ns)).view(n, S // item)
     return list(rows[:, HEADER_SIZE // item:].view(n, *ns.block_shape).unbind(0))
-
-
-def _finish(sink: BlockSink, sizes: Sequence[int], ns: Namespace) -> list[torch.Tensor | None]:
-    if not sink.full:
-        raise _ProtocolError(f"Load: {sink.total - sink.received} payload bytes missing from a group")
-    return _place(sink.blocks, sizes, ns)
 
 
 class RemoteSessions:

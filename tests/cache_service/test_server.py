@@ -30,7 +30,7 @@ from cache_service.wire import ns_to_pb
 from connectors.grpc_client import GrpcClient
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
-from tests.cache_service.store_helpers import NS, hashes, make_store, payload_for, same
+from tests.cache_service.store_helpers import NS, OBJ, hashes, make_store, payload_for, same
 from tiers.types import ConfigError, TierUnavailableError
 
 P = NS.payload_bytes
@@ -279,7 +279,7 @@ def test_malformed_requests_get_clear_status_codes(start):
              Code.INVALID_ARGUMENT, "kv_dtype"),
             (lambda: list(stub.Load(pb.LoadRequest(ns=ns, hashes=hashes(65)))), Code.RESOURCE_EXHAUSTED, "limit is 64"),
             (_store_call(stub, pb.StoreChunk(ns=ns, hashes=hs, data=bytes(P))), Code.INVALID_ARGUMENT, "need"),
-            (_store_call(stub, pb.StoreChunk(ns=ns, hashes=hs[:1], data=bytes(P + 1))),
+            (_store_call(stub, pb.StoreChunk(ns=ns, hashes=hs[:1], data=bytes(OBJ + 1))),
              Code.INVALID_ARGUMENT, "more than"),
             (_store_call(stub, pb.StoreChunk(ns=ns, hashes=hs[:1]), pb.StoreChunk(ns=ns, data=bytes(P))),
              Code.INVALID_ARGUMENT, "first Store message only"),

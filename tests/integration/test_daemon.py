@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cache_service.objects import encode
 from cache_service.sessions import Session
 from cache_service.wire import ns_to_pb
 from connectors.client import connect
@@ -170,10 +170,10 @@ def test_sigterm_lets_an_in_flight_store_finish(daemons):
     hs, sent, release = hashes(4), threading.Event(), threading.Event()
 
     def stream():
-        yield pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs, data=b"".join(payload_bytes(h) for h in hs[:2]))
+        yield pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs, data=b"".join(object_bytes(h) for h in hs[:2]))
         sent.set()
         release.wait(30)
-        yield pb.StoreChunk(data=b"".join(payload_bytes(h) for h in hs[2:]))
+        yield pb.StoreChunk(data=b"".join(object_bytes(h) for h in hs[2:]))
 
     channel = grpc.insecure_channel(d.address)
     call = pb_grpc.TierKVStub(channel).Store.future(stream())
@@ -199,5 +199,6 @@ def test_sigterm_lets_an_in_flight_store_finish(daemons):
     assert d.stop() == 0
 
 
-def payload_bytes(h: bytes) -> bytes:
-    return payload_for(h).view(-1).view(torch.uint8).numpy().tobytes()
+def object_bytes(h: bytes) -> bytes:
+    """Block h's object (header + payload), as Store streams carry them."""
+    return encode(NS, h, payload_for(h)).numpy().tobytes()
