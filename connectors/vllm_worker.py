@@ -178,10 +178,15 @@ class PagedKV:
         views = self.cpu.views(regions)
         tok = None if views else self._buf("tokens", (n, heads, 2, self.page, dim))
         dst = views or (tok[:, :, 0], tok[:, :, 1])
+        batch = _as_batch(blocks)  # blocks laid out evenly in one buffer: read in place, no staging copy
         for i, layer in enumerate(self.layers):
-            torch.stack([b[i] for b in blocks], out=stage.view(n * k, 2, tokens, heads, dim))
+            if batch is not None:
+                src = batch[:, i].view(n, k, 2, tokens, heads, dim)
+            else:
+                torch.stack([b[i] for b in blocks], out=stage.view(n * k, 2, tokens, heads, dim))
+                src = stage
             for j in range(2):  # [n, k, tokens, H, D] -> [n, H, page, D]
-                dst[j].view(n, heads, k, tokens, dim).copy_(stage[:, :, j].permute(0, 3, 1, 2, 4))
+                dst[j].view(n, heads, k, tokens, dim).copy_(src[:, :, j].permute(0, 3, 1, 2, 4))
             if tok is not None:
                 torch.index_select(tok.view(n, heads, -1), 2, self.cpu.inverse, out=regions)
             layer.view(layer.shape[0], heads, -1).index_copy_(0, ids, regions)
@@ -230,6 +235,22 @@ class PagedKV:
         if buf is None or buf.numel() < numel:
             buf = self._bufs[name] = torch.empty(numel, dtype=self.dtype, device=self.device)
         return buf[:numel].view(shape)
+
+
+def _as_batch(blocks: list[Tensor]) -> Tensor | None:
+    """``torch.stack(blocks)`` as a view, when the blocks are same-shaped
+    contiguous views spaced evenly in one buffer (a daemon's shared-memory
+    load hands them out so); None otherwise."""
+    first = blocks[0]
+    step, item = (blocks[1].data_ptr() - first.data_ptr() if len(blocks) > 1 else 0), first.element_size()
+    if step < 0 or step % item or not first.is_contiguous():
+        return None
+    base = first.untyped_storage().data_ptr()
+    for i, b in enumerate(blocks):
+        if (b.data_ptr() != first.data_ptr() + i * step or b.shape != first.shape or b.dtype != first.dtype
+                or not b.is_contiguous() or b.untyped_storage().data_ptr() != base):
+            return None
+    return first.as_strided((len(blocks), *first.shape), (step // item, *first.stride()))
 
 
 def _layer_index(name: str) -> int:

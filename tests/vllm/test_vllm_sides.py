@@ -197,3 +197,45 @@ def test_missing_block_ends_the_load_and_reports_pages(client):
     worker.save([Transfer("r", x[:700], 640, 688, [5])])
     assert worker.stats.blocks_saved == before
     assert worker.take_failed() == {"r": 256} and worker.failed == {}
+
+
+class _SharedBuffer:
+    """The real store, its loaded payloads handed out as the daemon's shared-memory
+    path does: views spaced evenly in one buffer, a header's gap between them."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def load(self, ns, hashes):
+        got = self.client.load(ns, hashes)
+        gap = 64  # elements between payloads, as a 128-byte object header
+        per = ns.payload_bytes // 2 + gap
+        buf = torch.zeros(len(got) * per, dtype=torch.bfloat16)
+        out = []
+        for i, p in enumerate(got):
+            view = buf[i * per + gap: (i + 1) * per].view(ns.block_shape)
+            out.append(view.copy_(p) if p is not None else None)
+        return out
+
+
+@pytest.mark.parametrize("packing", ["k_transposed", "tokens", "permuted"])
+def test_blocks_in_one_shared_buffer_load_the_same_bits(client, packing):
+    from connectors.vllm_worker import _as_batch
+
+    x = tokens(512, 9)
+    fill(client, x, 32)
+    index = cpu_index(packing, 128, NS.head_dim, seed=3)
+    # the evenly spaced views are read in place as one batch; a list of separate tensors is not
+    spaced = _SharedBuffer(client).load(NS, prefix_hashes(NS, x))
+    assert torch.equal(_as_batch(spaced), torch.stack(spaced))
+    assert _as_batch(client.load(NS, prefix_hashes(NS, x))) is None
+    # loading from either gives the same pages, bit for bit
+    caches = []
+    for source in (client, _SharedBuffer(client)):
+        cache = vllm_cache("cpu", 8, 128, seed=1)
+        worker = WorkerSide(source, NS, 128)
+        worker.register(cache, CpuPageLayout(index))
+        worker.load([Transfer("r", x, 0, 512, [6, 2, 4, 1])])
+        assert worker.failed == {}
+        caches.append(read_tokens([cache[k] for k in sorted(cache)], [6, 2, 4, 1], 0, 0, 512, index))
+    assert same(caches[0], caches[1])
