@@ -35,6 +35,7 @@ from cache_service.wire import as_payload
 from proto import tierkv_pb2 as pb
 from tiers.types import BlockHash, CorruptBlockError, TierKVError
 
+WIRE_VERSION = "tierkv-daemon/2"  # Hello's version: /2 carries whole objects in Load and Store
 LOAD_DATA, STORE_DATA = 2, 3  # field numbers of `data` in LoadChunk and StoreChunk
 _MAX_SIZES = 4096  # blocks announced per LoadChunk: bounds its non-data bytes
 # Objects the daemon receives stay in gRPC's (immutable) message bytes; the

@@ -20,7 +20,8 @@ import grpc
 import torch
 
 from cache_service.auth import Authenticator, tenant_keys
-from cache_service.framing import FramingError, ObjectReader, StoreMessage, admit, load_messages, object_pieces
+from cache_service.framing import (WIRE_VERSION, FramingError, ObjectReader, StoreMessage, admit, load_messages,
+                                   object_pieces)
 from cache_service.keys import Namespace, prefix_hashes
 from cache_service.metrics import Metrics
 from cache_service.objects import HEADER_SIZE, checksum, decode, object_size
@@ -34,7 +35,7 @@ from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
 from tiers.types import BlockHash, ConfigError, CorruptBlockError
 
-VERSION = "tierkv-daemon/1"
+VERSION = WIRE_VERSION
 MiB = 1 << 20
 
 

@@ -110,11 +110,15 @@ class GrpcClient:
     def _hello(self, timeout_s: float) -> pb.HelloReply:
         # fails fast on a refused connection: an engine starts without the cache, not after a wait
         try:
-            return self._stub.Hello(pb.HelloRequest(), timeout=timeout_s, metadata=self._md)
+            hello = self._stub.Hello(pb.HelloRequest(), timeout=timeout_s, metadata=self._md)
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise TierUnavailableError(f"cannot reach the tierkv daemon at {self.target}: {_why(e)}") from None
             raise TierUnavailableError(f"tierkv daemon at {self.target} refused Hello: {_why(e)}") from None
+        if hello.version != framing.WIRE_VERSION:  # another wire format: its loads and stores would all fail
+            raise TierUnavailableError(f"tierkv daemon at {self.target} speaks {hello.version!r}; this client "
+                                       f"needs {framing.WIRE_VERSION!r} (upgrade the older side)")
+        return hello
 
     def _pick(self, transport: str, shm_bytes: int) -> str:
         if transport not in TRANSPORTS:

@@ -136,6 +136,14 @@ def test_auto_falls_back_to_streaming_when_the_daemon_cannot_map_the_segment(sta
         assert c.transport == "shm"
 
 
+def test_a_client_refuses_a_daemon_with_another_wire_format(start, monkeypatch):
+    # a daemon of another wire version (its Load/Store would not parse): the client says so at connect
+    d = start()
+    monkeypatch.setattr("cache_service.server.VERSION", "tierkv-daemon/1")
+    with pytest.raises(TierUnavailableError, match="speaks 'tierkv-daemon/1'"):
+        GrpcClient(url(d))
+
+
 def test_delete_and_pins(start):
     d = start(cpu_blocks=16, disk=False)
     with GrpcClient(url(d)) as c:
