@@ -24,8 +24,11 @@ its multi-process engine alone takes 25-30 s to start here.
 
 Ratios (the issue's keys): ``ours_vs_example_warm`` = ours / Example, both
 warm from disk; ``ours_vs_lmcache_warm`` = ours / LMCache, both warm from
-memory (lower is better, goal <= 1); ``cold_overhead`` = ours cold (daemon) /
-cold - 1 (goal <= 0.05); ``warm_speedup_vs_cold`` = cold / ours warm
+memory (lower is better, goal <= 1), each on the mean TTFT over the warm
+workload (documents and chat resume; ``*_docs`` and ``*_chat`` split it); ``cold_overhead`` = ours cold (daemon) /
+cold - 1 (goal <= 0.05; ``cold_save_fraction``, the share of those cold
+requests' time our connector spent saving, is the same question without the
+noise of two separate runs); ``warm_speedup_vs_cold`` = cold / ours warm
 (memory). Our connector's load and save times and its load bandwidth against
 a memcpy in the same process are printed too. Last line: one JSON object.
 
@@ -351,15 +354,24 @@ def summarize(results: list[dict]) -> dict:
         chat = of(r, "chat")
         save = f"{r['save_s']:10.3f}" if "save_s" in r else f"{'':>10}"
         print(f"{n:<18} {r['init_s']:6.1f} {med[n]:7.3f} {doc[n]:7.3f} {chat[-1]:7.3f} {save}  {r['cached']}")
-    ours_mem = med.get("ours_warm_mem", med["ours_warm_disk"])
-    ours_disk = med["ours_warm_disk"]
-    out = {
-        "ttft_s": {n: round(v, 4) for n, v in med.items()},
-        "ours_vs_example_warm": ours_disk / med["example_warm_disk"],
-        "ours_vs_lmcache_warm": ours_mem / med["lmcache_warm_mem"] if "lmcache_warm_mem" in med else None,
-        "cold_overhead": doc.get("ours_cold_mem", doc["ours_cold_disk"]) / doc["cold"] - 1.0,
-        "warm_speedup_vs_cold": med["cold"] / ours_mem,
-    }
+    # warm figures: the mean over the workload (its documents and the chat resume), as a user waits for all of it
+    mean = {n: statistics.fmean(r["ttft"]) for n, r in by.items()}
+    chat = {n: of(r, "chat")[-1] for n, r in by.items()}
+    mine = {"example": "ours_warm_disk", "lmcache": "ours_warm_mem"}
+    theirs = {"example": "example_warm_disk", "lmcache": "lmcache_warm_mem"}
+    ours_mem = mean.get("ours_warm_mem", mean["ours_warm_disk"])
+    out = {"ttft_s": {n: round(v, 4) for n, v in med.items()}}
+    for peer in ("example", "lmcache"):
+        a, b = mine[peer], theirs[peer]
+        present = b in by and a in by
+        out[f"ours_vs_{peer}_warm"] = mean[a] / mean[b] if present else None
+        out[f"ours_vs_{peer}_warm_docs"] = doc[a] / doc[b] if present else None
+        out[f"ours_vs_{peer}_warm_chat"] = chat[a] / chat[b] if present else None
+    out["cold_overhead"] = doc.get("ours_cold_mem", doc["ours_cold_disk"]) / doc["cold"] - 1.0
+    out["warm_speedup_vs_cold"] = mean["cold"] / ours_mem
+    # the part of the cold requests' time our connector spent saving (less noisy than two TTFTs' ratio)
+    stored = by.get("ours_cold_mem", by["ours_cold_disk"])
+    out["cold_save_fraction"] = stored["save_s"] / sum(stored["ttft"])
     for n in ("ours_warm_mem", "ours_warm_disk"):
         r = by.get(n)
         if r and r.get("load_s"):
@@ -368,9 +380,11 @@ def summarize(results: list[dict]) -> dict:
             out[f"{n}_load_vs_memcpy"] = round(gbs / r["memcpy_gbs"], 4)
             print(f"{n}: connector load {gbs:.2f} GB/s = {gbs / r['memcpy_gbs']:.3f} x memcpy "
                   f"({r['memcpy_gbs']:.2f} GB/s in the same process)")
-    print(f"ours / ExampleConnector, warm from disk: {out['ours_vs_example_warm']:.2f} (goal <= 1)")
-    if out["ours_vs_lmcache_warm"] is not None:
-        print(f"ours / LMCache MP, warm from memory:    {out['ours_vs_lmcache_warm']:.2f} (goal <= 1)")
+    for peer, what in (("example", "ExampleConnector, warm from disk"), ("lmcache", "LMCache MP, warm from memory")):
+        if out[f"ours_vs_{peer}_warm"] is not None:
+            print(f"ours / {what}: {out[f'ours_vs_{peer}_warm']:.2f} (goal <= 1; documents "
+                  f"{out[f'ours_vs_{peer}_warm_docs']:.2f}, chat resume {out[f'ours_vs_{peer}_warm_chat']:.2f})")
+    print(f"our saves took {out['cold_save_fraction']:.1%} of the cold requests' time")
     print(f"cold overhead of storing: {out['cold_overhead']:+.1%} (goal <= +5%); warm speedup vs cold: "
           f"{out['warm_speedup_vs_cold']:.1f}x")
     return out
