@@ -77,6 +77,17 @@ def _readers() -> ThreadPoolExecutor:
         return _readers_pool
 
 
+def _buffers(sizes: list[int]) -> list[torch.Tensor]:
+    """Read buffers: rows of one allocation when all objects have the same
+    size (the usual batch of one namespace), so the payloads handed out are
+    evenly spaced in one buffer and a caller can take them as one batch
+    without copying (connectors/vllm_worker.py); one allocation also faults
+    its fresh pages in once. The rows share that allocation's lifetime."""
+    if sizes and all(n == sizes[0] for n in sizes):
+        return list(torch.empty((len(sizes), sizes[0]), dtype=torch.uint8).unbind(0))
+    return [torch.empty(n, dtype=torch.uint8) for n in sizes]
+
+
 class DiskTier(ByteBudget, Tier):
     """Block objects as checksummed files under `root`, indexed by lmdb.
 
@@ -278,8 +289,9 @@ class DiskTier(ByteBudget, Tier):
                     e.atime = self._tick()
                     self._dirty.add(h)
         found = [(h, e) for h, e in zip(hashes, entries) if e is not None]
-        read = iter(_readers().map(self._read, *zip(*found)) if len(found) > 1 else
-                    [self._read(h, e) for h, e in found])
+        bufs = _buffers([e.size for _, e in found])
+        read = iter(_readers().map(self._read, *zip(*found), bufs) if len(found) > 1 else
+                    [self._read(h, e, b) for (h, e), b in zip(found, bufs)])
         out: list[torch.Tensor | None] = []
         corrupt = 0
         for h, e in zip(hashes, entries):
@@ -291,9 +303,9 @@ class DiskTier(ByteBudget, Tier):
         self.stats.add(hits=len(hits), misses=len(out) - len(hits), bytes_out=sum(hits), corrupt=corrupt)
         return out
 
-    def _read(self, h: BlockHash, e: _Entry) -> torch.Tensor | None:
-        """The file's bytes if its size and checksum match `e`, else None."""
-        buf = torch.empty(e.size, dtype=torch.uint8)
+    def _read(self, h: BlockHash, e: _Entry, buf: torch.Tensor) -> torch.Tensor | None:
+        """The file's bytes, read into `buf` (e.size bytes), if its size and
+        checksum match `e`, else None."""
         view = memoryview(buf.numpy())
         try:
             with open(self.path_of(h), "rb", buffering=0) as f:

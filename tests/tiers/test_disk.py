@@ -243,11 +243,11 @@ def test_block_rewritten_during_a_read_is_a_plain_miss(tmp_path, monkeypatch):
     real_read = tier._read
     rewritten = torch.zeros(1000, dtype=torch.uint8)
 
-    def read_after_race(h_, e):
+    def read_after_race(h_, e, buf):
         # Another thread deletes the block and stores different bytes under it first.
         tier.delete_many([h_])
         tier.put_many([h_], [rewritten])
-        return real_read(h_, e)
+        return real_read(h_, e, buf)
 
     monkeypatch.setattr(tier, "_read", read_after_race)
     # The read sees a file that no longer matches what it looked up: a miss, not corruption.
