@@ -70,7 +70,8 @@ from connectors.client import CacheClient, connect
 from connectors.model_id import model_id_for_dir
 from connectors.vllm_scheduler import (RemoteLookup, SchedulerSide, TierKVConfig, Transfer, is_local,
                                        lookup_address)
-from connectors.vllm_worker import CpuPageLayout, LookupServer, WorkerSide
+from connectors.vllm_pages import CpuPageLayout
+from connectors.vllm_worker import LookupServer, WorkerSide
 from tiers.types import ConfigError, TierKVError, TierUnavailableError
 
 if TYPE_CHECKING:

@@ -81,7 +81,7 @@ def _buffers(sizes: list[int]) -> list[torch.Tensor]:
     """Read buffers: rows of one allocation when all objects have the same
     size (the usual batch of one namespace), so the payloads handed out are
     evenly spaced in one buffer and a caller can take them as one batch
-    without copying (connectors/vllm_worker.py); one allocation also faults
+    without copying (connectors/vllm_pages.py); one allocation also faults
     its fresh pages in once. The rows share that allocation's lifetime."""
     if sizes and all(n == sizes[0] for n in sizes):
         return list(torch.empty((len(sizes), sizes[0]), dtype=torch.uint8).unbind(0))

@@ -10,7 +10,8 @@ import torch
 from cache_service.keys import Namespace, prefix_hashes
 from connectors.client import connect
 from connectors.vllm_scheduler import RemoteLookup, SchedulerSide, TierKVConfig, Transfer, lookup_address
-from connectors.vllm_worker import CpuPageLayout, LookupServer, WorkerSide
+from connectors.vllm_pages import CpuPageLayout, as_batch
+from connectors.vllm_worker import LookupServer, WorkerSide
 from tests.vllm.oracle import blocks_as_tokens, cpu_index, read_tokens, same, tokens
 from tiers.types import ConfigError, TierUnavailableError
 
@@ -220,15 +221,13 @@ class _SharedBuffer:
 
 @pytest.mark.parametrize("packing", ["k_transposed", "tokens", "permuted"])
 def test_blocks_in_one_shared_buffer_load_the_same_bits(client, packing):
-    from connectors.vllm_worker import _as_batch
-
     x = tokens(512, 9)
     fill(client, x, 32)
     index = cpu_index(packing, 128, NS.head_dim, seed=3)
     # the evenly spaced views are read in place as one batch; a list of separate tensors is not
     spaced = _SharedBuffer(client).load(NS, prefix_hashes(NS, x))
-    assert torch.equal(_as_batch(spaced), torch.stack(spaced))
-    assert _as_batch(client.load(NS, prefix_hashes(NS, x))) is None
+    assert torch.equal(as_batch(spaced), torch.stack(spaced))
+    assert as_batch(client.load(NS, prefix_hashes(NS, x))) is None
     # loading from either gives the same pages, bit for bit
     caches = []
     for source in (client, _SharedBuffer(client)):
