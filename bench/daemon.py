@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,29 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from cache_service.keys import Namespace  # noqa: E402
 from cache_service.objects import object_size  # noqa: E402
+from bench._procs import free_port, wait_port  # noqa: E402
 from connectors.grpc_client import GrpcClient  # noqa: E402
 
 # the namespaces of bench/tiers.py's block sizes: SmolLM2-135M and Llama-3-8B, bf16, 16 tokens
 SHAPES = {"smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", 30, 3, 64),
           "llama3-8b": ("meta-llama/Meta-Llama-3-8B", 32, 8, 128)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen | None, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"server on port {port} exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise SystemExit(f"nothing listens on port {port} after {timeout:.0f}s")
 
 
 def start_daemon(root: Path, capacity: int, slot: int) -> tuple[subprocess.Popen, int]:
@@ -67,7 +49,7 @@ def start_daemon(root: Path, capacity: int, slot: int) -> tuple[subprocess.Popen
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--config", str(cfg),
                              "--listen", f"127.0.0.1:{port}"], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=open(root / "daemon.log", "w"))
-    wait_port(port, proc)
+    wait_port(port, proc, "tierkv daemon", 60.0)
     return proc, port
 
 
@@ -80,7 +62,7 @@ def start_redis(root: Path) -> tuple[int, "object"]:
     subprocess.run(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
                     "--daemonize", "yes", "--pidfile", str(root / "redis.pid"), "--dir", str(root),
                     "--logfile", str(root / "redis.log"), "--proto-max-bulk-len", "1gb"], check=True)
-    wait_port(port, None)
+    wait_port(port, None, "redis-server", 60.0)
     return port, redis.Redis(host="127.0.0.1", port=port)
 
 

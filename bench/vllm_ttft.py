@@ -41,7 +41,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 L1_GIB = {False: 1.0, True: 0.5}  # by --quick: host memory of our daemon's CPU tier and of LMCache's L1, alike
 sys.path.insert(0, str(REPO))
+from bench._procs import free_port, wait_idle, wait_port  # noqa: E402
 
 
 # ------------------------------------------------------------------ child: runs vLLM engines
@@ -173,49 +173,13 @@ def _drop_page_cache(root: str) -> None:
 
 
 # ------------------------------------------------------------------ parent: servers and processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} did not listen on {port} within {timeout:.0f}s")
-
-
-def _wait_idle(pid: int, timeout: float = 120.0) -> None:
-    """Until process `pid` uses under 5% of a core over half a second (its start-up work done)."""
-    tick, deadline = os.sysconf("SC_CLK_TCK"), time.monotonic() + timeout
-
-    def cpu_s() -> float:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-
-    last = cpu_s()
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        now = cpu_s()
-        if now - last < 0.025:
-            return
-        last = now
-    raise RuntimeError(f"process {pid} still busy after {timeout:.0f}s")
-
-
 class Servers:
     """The tierkv daemon and the LMCache server, started and stopped by the parent."""
 
     def __init__(self, work: Path, venv_py: Path, log, l1_gib: float) -> None:
         self.work, self.venv_py, self.log, self.l1_gib = work, venv_py, log, l1_gib
         self.procs: dict[str, subprocess.Popen] = {}
-        self.tierkv_port, self.lmcache_port = _free_port(), _free_port()
+        self.tierkv_port, self.lmcache_port = free_port(), free_port()
 
     def start_tierkv(self) -> str:
         from cache_service.keys import Namespace
@@ -230,7 +194,7 @@ class Servers:
         cmd = [sys.executable, "-c", "import sys; from engine.cli import main; sys.exit(main(sys.argv[1:]))",
                "serve", "--config", str(cfg), "--listen", f"127.0.0.1:{self.tierkv_port}"]
         self._start("tierkv", cmd, self.tierkv_port)
-        _wait_idle(self.procs["tierkv"].pid)
+        wait_idle(self.procs["tierkv"].pid)
         return f"grpc://127.0.0.1:{self.tierkv_port}"
 
     def start_lmcache(self) -> str:
@@ -238,16 +202,16 @@ class Servers:
         l2 = json.dumps({"type": "fs", "base_path": str(self.work / "lmcache")})
         cmd = [str(lm), "server", "--host", "127.0.0.1", "--port", str(self.lmcache_port), "--chunk-size", "128",
                "--l1-size-gb", str(self.l1_gib), "--no-l1-use-lazy", "--eviction-policy", "LRU", "--supported-transfer-mode",
-               "auto", "--disable-observability", "--http-port", str(_free_port()),
+               "auto", "--disable-observability", "--http-port", str(free_port()),
                "--shm-name", f"tierkv-bench-{os.getpid()}", "--l2-adapter", l2]
         self._start("lmcache", cmd, self.lmcache_port)
-        _wait_idle(self.procs["lmcache"].pid)
+        wait_idle(self.procs["lmcache"].pid)
         return f"127.0.0.1:{self.lmcache_port}"
 
     def _start(self, name: str, cmd: list[str], port: int) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
         self.procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        _wait_port(port, self.procs[name], name)
+        wait_port(port, self.procs[name], name)
 
     def stop(self, name: str) -> None:
         proc = self.procs.pop(name, None)

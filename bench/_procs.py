@@ -1,0 +1,46 @@
+"""Helpers the benchmarks share for the servers they start: ports and readiness."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen | None, what: str, timeout: float = 120.0) -> None:
+    """Until something listens on `port`; RuntimeError if `proc` exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not listen on {port} within {timeout:.0f}s")
+
+
+def wait_idle(pid: int, timeout: float = 120.0) -> None:
+    """Until process `pid` uses under 5% of a core over half a second (its start-up work done)."""
+    tick, deadline = os.sysconf("SC_CLK_TCK"), time.monotonic() + timeout
+
+    def cpu_s() -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    last = cpu_s()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = cpu_s()
+        if now - last < 0.025:
+            return
+        last = now
+    raise RuntimeError(f"process {pid} still busy after {timeout:.0f}s")
