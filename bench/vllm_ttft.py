@@ -13,10 +13,11 @@ SmolLM2-135M bf16, a ~2,000-token prompt (random ids), greedy, 1 token:
   memory, eager L1 of the same size as our CPU tier): store, then warm from
   its memory; full mode also from its disk adapter after a server restart.
 
-Every engine gets a short warm-up request first. Full mode starts a new
-vLLM process for every case (warm cases: a new process, as after a restart)
-and measures 3 prompts (median shown, and the first). ``--quick`` runs one
-engine per connector, with one prompt: the warm request follows a reset of
+Every engine gets a warm-up request first (a process's first one as long
+as a document: it builds the CPU kernels for those shapes). Full mode starts
+a new vLLM process for every case (warm cases: a new process, as after a
+restart) and sends 5 documents and the chat. ``--quick`` runs one engine per
+connector, with one document and the chat: the warm request follows a reset of
 vLLM's own prefix cache in the same engine, so it can only hit the
 connector (our disk engine gets a 1 MiB CPU tier, so its warm request reads
 the disk tier); LMCache is skipped unless ``--lmcache`` is given, because
@@ -373,7 +374,7 @@ def main() -> int:
     from engine.models import resolve_model
 
     model = str(resolve_model("smollm2"))
-    prompts = make_prompts(args.tokens, 1 if args.quick else 3)
+    prompts = make_prompts(args.tokens, 1 if args.quick else 5)
     work = Path(tempfile.mkdtemp(prefix="tierkv-vllm-ttft-"))
     log = open(work / "log.txt", "w")
     servers = Servers(work, venv_py, log, L1_GIB[args.quick])

@@ -3,16 +3,13 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from cache_service.objects import encode
 from cache_service.sessions import Session
@@ -23,6 +20,7 @@ from engine.cli import main
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
 from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
+from tests.integration.daemon_process import DaemonProcess
 from tiers.types import TierUnavailableError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,60 +28,10 @@ TOKEN = "integration-token-0123456789"
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class DaemonProcess:
-    """`python -m engine.cli serve` over a CPU + disk store rooted in `root`."""
-
-    def __init__(self, root: Path, *extra: str) -> None:
-        self.root, self.extra, self.port = root, extra, free_port()
-        self.config = root / "tierkv.toml"
-        self.config.write_text(f'[tiers.cpu]\ncapacity = {64 * OBJ}\nslot_bytes = {OBJ}\n\n'
-                               f'[tiers.disk]\npath = "{root / "store"}"\ncapacity = "64MiB"\nwrite = "through"\n')
-        self.proc: subprocess.Popen | None = None
-        self.log = root / "daemon.log"
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def url(self, transport: str = "auto") -> str:
-        return f"grpc://{self.address}?transport={transport}"
-
-    def start(self) -> "DaemonProcess":
-        with open(self.log, "a") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.cli", "serve", "--config", str(self.config), "--listen", self.address,
-                 "--log-format", "json", *self.extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while self.health() != health_pb2.HealthCheckResponse.SERVING:  # ready when health says so
-            assert self.proc.poll() is None, f"daemon exited early:\n{self.log.read_text()}"
-            assert time.monotonic() < deadline, f"daemon not ready:\n{self.log.read_text()}"
-            time.sleep(0.1)
-        return self
-
-    def health(self) -> int | None:
-        with grpc.insecure_channel(self.address) as ch:
-            try:
-                req = health_pb2.HealthCheckRequest(service="tierkv.v1.TierKV")
-                return health_pb2_grpc.HealthStub(ch).Check(req, timeout=1).status
-            except grpc.RpcError:
-                return None
-
-    def stop(self, timeout: float = 60) -> int:
-        """SIGTERM and wait; returns the exit code."""
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
+def config(root: Path) -> str:
+    """A CPU + disk (write-through) store rooted in `root`."""
+    return (f'[tiers.cpu]\ncapacity = {64 * OBJ}\nslot_bytes = {OBJ}\n\n'
+            f'[tiers.disk]\npath = "{root / "store"}"\ncapacity = "64MiB"\nwrite = "through"\n')
 
 
 @pytest.fixture
@@ -91,7 +39,7 @@ def daemons(tmp_path):
     started: list[DaemonProcess] = []
 
     def make(*extra: str) -> DaemonProcess:
-        started.append(DaemonProcess(tmp_path, *extra))
+        started.append(DaemonProcess(tmp_path, config(tmp_path), "--log-format", "json", *extra))
         return started[-1]
 
     yield make

@@ -125,7 +125,7 @@ def test_sigkill_rounds_lose_nothing_durable_and_serve_nothing_wrong(daemons, tm
                 time.sleep(rng.uniform(0.2, 0.8))
                 durable |= set(rnd.checkpoint(admin, disk_before))
                 time.sleep(rng.uniform(0.0, 0.8))
-                d.sigkill()
+                d.kill()
             finally:
                 rnd.stop.set()
                 for t in threads:
