@@ -24,11 +24,12 @@ from cache_service.framing import (WIRE_VERSION, FramingError, ObjectReader, Sto
                                    object_pieces)
 from cache_service.keys import Namespace, prefix_hashes
 from cache_service.metrics import Metrics
-from cache_service.objects import HEADER_SIZE, checksum, decode, object_size
+from cache_service.objects import HEADER_SIZE, checksum, claimed_checksum, decode, object_size
+from cache_service.objects import header as header_bytes
 from cache_service.rpc import rpc
 from cache_service.sessions import SessionStore
 from cache_service.shm import DATA_OFFSET, Attachments, host_id
-from cache_service.store import TieredStore, claimed_checksum, header_bytes
+from cache_service.store import TieredStore
 from cache_service.wire import (RequestError, hashes_from_pb, invalid, ns_from_pb, require_ns, session_from_pb,
                                 session_to_pb, stats_to_pb)
 from proto import tierkv_pb2 as pb

@@ -46,7 +46,6 @@ from cache_service.config import StoreConfig
 from cache_service.eviction.base import EvictionPolicy
 from cache_service.keys import Namespace
 from cache_service.objects import HEADER_SIZE, checksum, claimed_checksum, decode, encode, encode_into, object_size
-from cache_service.objects import header as header_bytes  # noqa: F401 (server.py imports it from here)
 from cache_service.writer import Item, TierWriter
 from tiers.base import Tier
 from tiers.types import BlockHash, CapacityError, CorruptBlockError, TierKVError
