@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_daemon import DaemonProcess
+from tests.integration.daemon_process import DaemonProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ("The daemon keeps attention keys and values for every engine on the node, so a prompt that one engine "
@@ -22,10 +22,9 @@ pytestmark = pytest.mark.slow
 
 
 def daemon(root: Path, *extra: str) -> DaemonProcess:
-    d = DaemonProcess(root, *extra)
-    d.config.write_text(f'[tiers.cpu]\ncapacity = "64MiB"\n\n[tiers.disk]\npath = "{root / "store"}"\n'
-                        'capacity = "256MiB"\nwrite = "through"\n')
-    return d.start()
+    config = (f'[tiers.cpu]\ncapacity = "64MiB"\n\n[tiers.disk]\npath = "{root / "store"}"\n'
+              'capacity = "256MiB"\nwrite = "through"\n')
+    return DaemonProcess(root, config, "--log-format", "json", *extra).start()
 
 
 def generate(url: str, prompt: str, *extra: str, token: str | None = None, wait: bool = True):
