@@ -33,3 +33,14 @@ def make_store(root, cpu_blocks: int = 16, disk_blocks: int | None = 4096, **sto
     if disk_blocks:
         tiers["disk"] = {"path": str(root), "capacity": disk_blocks * OBJ, "fsync": True}
     return open_store(load_config(env={}, overrides={"tiers": tiers, "store": store}))
+
+
+def write_flushed(store, hs) -> None:
+    """Store payload_for(h) for each hash and wait until every tier below has it."""
+    store.store(NS, hs, [payload_for(h) for h in hs])
+    assert store.flush(120)
+
+
+def all_same(got, hs) -> bool:
+    """Every loaded payload present and equal to payload_for(its hash)."""
+    return all(g is not None and same(g, payload_for(h)) for g, h in zip(got, hs))

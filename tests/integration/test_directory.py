@@ -13,7 +13,7 @@ import pytest
 from cache_service.config import load_config
 from cache_service.factory import open_sessions, open_store
 from cache_service.sessions import Session, SessionStore
-from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
+from tests.cache_service.store_helpers import NS, OBJ, all_same, hashes, write_flushed
 from tests.integration.conftest import S3Server, servers
 from tiers.redis_dir import S3, RedisDirectory
 
@@ -52,15 +52,6 @@ def open_node(target: dict, s3_server: S3Server, s3_bucket: str, tmp_path):
         s.close()
 
 
-def write(store, hs) -> None:
-    store.store(NS, hs, [payload_for(h) for h in hs])
-    assert store.flush(120)
-
-
-def all_same(got, hs) -> bool:
-    return all(g is not None and same(g, payload_for(h)) for g, h in zip(got, hs))
-
-
 def wait_until(check, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -72,7 +63,7 @@ def test_a_block_stored_on_one_node_is_found_through_the_directory_on_another(op
     # Y opens first: its S3 tier lists nothing, so only the directory can tell it about X's blocks.
     y, x = open_node("y"), open_node("x")
     hs = hashes(12)
-    write(x, hs)
+    write_flushed(x, hs)
     assert y.tiers[-1].contains_many(hs) == [False] * 12
     # X published each block twice: on its disk and in S3.
     assert x.directory.locate_many(hs) == [frozenset({"x", S3})] * 12
@@ -101,7 +92,7 @@ def test_blocks_evicted_from_a_disk_are_unpublished(open_node):
     x = open_node("x", s3=False, disk_blocks=4)
     hs = hashes(10, start=300)
     for i in range(0, 10, 2):
-        write(x, hs[i:i + 2])
+        write_flushed(x, hs[i:i + 2])
     on_disk = x.tiers[1].contains_many(hs)
     assert 0 < sum(on_disk) < 10
     # The directory lists X for exactly the blocks its disk still holds.
@@ -158,7 +149,7 @@ def test_redis_outage_leaves_stores_local_only_and_heals(open_node, caplog):
     y, x = open_node("y"), open_node("x")
     sessions = open_sessions(load_config(env={}, overrides=open_node.config("x")), "/nonexistent", x)
     before = hashes(6, start=500)
-    write(x, before)
+    write_flushed(x, before)
     sessions.put(Session("before", tenant="acme", token_ids=[1, 2, 3]))
     assert y.lookup(before) == 6
     caplog.set_level(logging.WARNING, logger="tiers.redis_dir")
@@ -168,7 +159,7 @@ def test_redis_outage_leaves_stores_local_only_and_heals(open_node, caplog):
         # X still serves its local blocks and stores new ones; no error reaches the caller.
         assert x.lookup(before) == 6 and all_same(x.load(NS, before), before)
         during = hashes(6, start=900)
-        write(x, during)
+        write_flushed(x, during)
         assert x.lookup(during) == 6
         # Y cannot learn of them (its S3 view predates them): a miss, not an error, however often asked.
         for _ in range(50):

@@ -14,7 +14,7 @@ import torch
 from cache_service.config import load_config
 from cache_service.factory import open_store
 from cache_service.objects import HEADER_SIZE
-from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
+from tests.cache_service.store_helpers import NS, OBJ, all_same, hashes, write_flushed
 from tests.integration.conftest import S3Server, s3_answers, servers
 from tiers.s3 import S3Tier
 from tiers.types import ConfigError
@@ -46,20 +46,11 @@ def open_node(s3_server: S3Server, s3_bucket: str, tmp_path):
         s.close()
 
 
-def write(store, hs) -> None:
-    store.store(NS, hs, [payload_for(h) for h in hs])
-    assert store.flush(120)
-
-
-def all_same(got, hs) -> bool:
-    return all(g is not None and same(g, payload_for(h)) for g, h in zip(got, hs))
-
-
 def test_blocks_written_by_one_node_load_on_another(open_node, s3_server, s3_bucket):
     # Node A stores a prompt's blocks; they land in its cpu, disk and in S3.
     a = open_node("a")
     hs = hashes(24)
-    write(a, hs)
+    write_flushed(a, hs)
     raw = s3_server.client()
     listed = raw.list_objects_v2(Bucket=s3_bucket, Prefix=open_node.prefix + "/")["KeyCount"]
     assert listed == 24
@@ -78,7 +69,7 @@ def test_blocks_written_by_one_node_load_on_another(open_node, s3_server, s3_buc
 def test_a_corrupted_object_is_a_quarantined_miss(open_node, s3_server, s3_bucket):
     a = open_node("a")
     hs = hashes(4, start=1000)
-    write(a, hs)
+    write_flushed(a, hs)
     # Flip one payload byte of one object in S3 behind the tier's back.
     raw, key = s3_server.client(), a.tiers[2].key_of(hs[2])
     body = bytearray(raw.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
@@ -98,7 +89,7 @@ def test_a_corrupted_object_is_a_quarantined_miss(open_node, s3_server, s3_bucke
 def test_gateway_outage_keeps_local_hits_and_writes_resume(open_node, s3_server, s3_bucket):
     a = open_node("a")
     before = hashes(8, start=2000)
-    write(a, before)
+    write_flushed(a, before)
     remote = open_node("remote-reader", cpu_blocks=16)  # lists `before` at open; holds nothing locally
     stopped = servers("stop", "rgw", timeout=120)
     assert stopped.returncode == 0, stopped.stderr
@@ -106,7 +97,7 @@ def test_gateway_outage_keeps_local_hits_and_writes_resume(open_node, s3_server,
         assert not s3_answers(s3_server.endpoint)
         # Stores return and local hits are served; S3 writes fail quietly, counted.
         during = hashes(8, start=3000)
-        write(a, during)
+        write_flushed(a, during)
         assert all_same(a.load(NS, before + during), before + during)
         st = a.stats()["s3"]
         assert st["errors"] >= 1 and st["dropped"] == 8
@@ -120,7 +111,7 @@ def test_gateway_outage_keeps_local_hits_and_writes_resume(open_node, s3_server,
     raw, landed = s3_server.client(), False
     for attempt in range(60):
         after = hashes(2, start=4000 + 10 * attempt)
-        write(a, after)
+        write_flushed(a, after)
         if a.tiers[2].contains_many(after) == [True, True]:
             landed = True
             break
