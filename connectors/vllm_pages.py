@@ -121,53 +121,54 @@ class PagedKV:
         n, k, L = len(page_ids), self.page // tokens, len(self.layers)
         out = self._buf("blocks", (n * k, L, 2, tokens, self.heads, self.dim))
         o = out.view(n, k, L, 2, tokens, self.heads, self.dim)
-        for i, regions in self._regions(page_ids):
-            kv = self._kv(regions)
-            for j in range(2):  # [n, H, page, D] -> [n, k, tokens, H, D]
-                o[:, :, i, j].copy_(kv[j].reshape(n, self.heads, k, tokens, self.dim).permute(0, 2, 3, 1, 4))
+        runs = _runs(page_ids)
+        for i, layer in enumerate(self.layers):
+            pages = layer.view(layer.shape[0], self.heads, -1)
+            for a, b, first in runs:  # read each run of consecutive pages in place
+                kv = self._kv(pages[first: first + b - a])
+                for j in range(2):  # [m, H, page, D] -> [m, k, tokens, H, D]
+                    o[a:b, :, i, j].copy_(kv[j].reshape(b - a, self.heads, k, tokens, self.dim).permute(0, 2, 3, 1, 4))
         return out
 
     def write_blocks(self, blocks: list[Tensor], page_ids: list[int]) -> None:
         """Write canonical blocks (each ``[L, 2, tokens, H, D]``, covering the pages in order) into `page_ids`.
-        Staged one layer at a time, so the staging memory stays small."""
+        Each run of consecutive pages is written in place, one layer at a time."""
         tokens = blocks[0].shape[2]
         if self.kind == "flash" or self.page % tokens:
             self._scatter(regroup(torch.stack(blocks), self.page), page_ids)
             return
         n, k, heads, dim = len(page_ids), self.page // tokens, self.heads, self.dim
         assert len(blocks) == n * k, (len(blocks), n, k)
-        ids = torch.tensor(page_ids, dtype=torch.int64, device=self.device)
-        regions = self._buf("regions", (n, heads, 2 * self.page * dim))
-        stage = self._buf("layer", (n, k, 2, tokens, heads, dim))
-        views = self.cpu.views(regions)
-        tok = None if views else self._buf("tokens", (n, heads, 2, self.page, dim))
-        dst = views or (tok[:, :, 0], tok[:, :, 1])
         batch = as_batch(blocks)  # blocks laid out evenly in one buffer: read in place, no staging copy
+        stage = None if batch is not None else self._buf("layer", (n * k, 2, tokens, heads, dim))
+        runs = _runs(page_ids)
         for i, layer in enumerate(self.layers):
             if batch is not None:
-                src = batch[:, i].view(n, k, 2, tokens, heads, dim)
+                src = batch[:, i]
             else:
-                torch.stack([b[i] for b in blocks], out=stage.view(n * k, 2, tokens, heads, dim))
-                src = stage
-            for j in range(2):  # [n, k, tokens, H, D] -> [n, H, page, D]
-                dst[j].view(n, heads, k, tokens, dim).copy_(src[:, :, j].permute(0, 3, 1, 2, 4))
-            if tok is not None:
-                torch.index_select(tok.view(n, heads, -1), 2, self.cpu.inverse, out=regions)
-            layer.view(layer.shape[0], heads, -1).index_copy_(0, ids, regions)
+                src = torch.stack([b[i] for b in blocks], out=stage)
+            pages = layer.view(layer.shape[0], heads, -1)
+            for a, b, first in runs:
+                self._write_run(src.view(n, k, 2, tokens, heads, dim)[a:b], pages[first: first + b - a])
+
+    def _write_run(self, src: Tensor, dst: Tensor) -> None:
+        """``[m, k, 2, tokens, H, D]`` blocks -> the ``[m, H, 2 * page * D]`` regions of m consecutive pages."""
+        m, k, _, tokens, heads, dim = src.shape
+        views = self.cpu.views(dst)
+        tok = None
+        if views is None:  # a packing with no strided view: stage token-major, then permute into place
+            tok = self._buf("tokens", (m, heads, 2, self.page, dim))
+            views = (tok[:, :, 0], tok[:, :, 1])
+        for j in range(2):  # [m, k, tokens, H, D] -> [m, H, page, D]
+            views[j].view(m, heads, k, tokens, dim).copy_(src[:, :, j].permute(0, 3, 1, 2, 4))
+        if tok is not None:
+            torch.index_select(tok.view(m, heads, -1), 2, self.cpu.inverse, out=dst)
 
     def reserve(self, tokens: int) -> None:
         """Allocate and touch the save buffer for `tokens` tokens now (at startup), not in a request."""
         if self.kind == "cpu":
             n = -(-tokens // self.page)
             self._buf("blocks", (n * self.page, len(self.layers), 2, self.heads, self.dim)).zero_()
-
-    def _regions(self, page_ids: list[int]):
-        """Per layer: (index, ``[n, H, 2 * page * D]`` copy of its pages) in a reused buffer."""
-        ids = torch.tensor(page_ids, dtype=torch.int64, device=self.device)
-        regions = self._buf("regions", (len(page_ids), self.heads, 2 * self.page * self.dim))
-        for i, layer in enumerate(self.layers):
-            torch.index_select(layer.view(layer.shape[0], self.heads, -1), 0, ids, out=regions)
-            yield i, regions
 
     def _kv(self, regions: Tensor) -> tuple[Tensor, Tensor]:
         views = self.cpu.views(regions)
@@ -215,6 +216,16 @@ def as_batch(blocks: list[Tensor]) -> Tensor | None:
                 or not b.is_contiguous() or b.untyped_storage().data_ptr() != base):
             return None
     return first.as_strided((len(blocks), *first.shape), (step // item, *first.stride()))
+
+
+def _runs(page_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(start, end, first page id) of each stretch of `page_ids` whose ids are consecutive."""
+    runs, a = [], 0
+    for b in range(1, len(page_ids) + 1):
+        if b == len(page_ids) or page_ids[b] != page_ids[b - 1] + 1:
+            runs.append((a, b, page_ids[a]))
+            a = b
+    return runs
 
 
 def _layer_index(name: str) -> int:

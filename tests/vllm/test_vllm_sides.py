@@ -148,7 +148,8 @@ def test_cpu_page_layout_recognizes_packings():
     ("cpu", 128, "k_transposed"), ("cpu", 128, "tokens"), ("cpu", 16, "permuted"), ("cpu", 32, "k_transposed"),
     ("cpu", 8, "k_transposed"),
     ("flash", 16, None), ("flash", 32, None), ("flash", 8, None)])
-def test_worker_saves_and_loads_through_the_store(client, layout, page, packing):
+@pytest.mark.parametrize("order", ["descending", "runs"])
+def test_worker_saves_and_loads_through_the_store(client, layout, page, packing, order):
     x = tokens(300, 4)
     index = cpu_index(packing, page, NS.head_dim, seed=page) if packing else None
     packed = CpuPageLayout(index) if packing else None
@@ -169,7 +170,11 @@ def test_worker_saves_and_loads_through_the_store(client, layout, page, packing)
     dst = vllm_cache(layout, 48, page, seed=6)
     align = max(page, NS.block_tokens)
     end = 288 // align * align
+    # pages one by one going down, or stretches of consecutive pages (each written in place)
     dst_pages = list(range(40, 40 - end // page, -1))
+    if order == "runs":  # two stretches of consecutive pages, the second below the first
+        half = len(dst_pages) // 2
+        dst_pages = list(range(30, 30 + len(dst_pages) - half)) + list(range(10, 10 + half))
     fresh = WorkerSide(client, NS, page)
     fresh.register(dst, packed)
     fresh.load([Transfer("r", x[:end], 0, end, dst_pages)])
