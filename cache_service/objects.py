@@ -95,20 +95,30 @@ def _fixed_parts(ns: Namespace) -> tuple[bytes, bytes]:
 _PADDING = bytes(HEADER_SIZE - _FIXED.size - _TAIL.size)
 
 
-def claimed_checksum(obj: torch.Tensor, ns: Namespace, h: BlockHash) -> int | None:
+def claimed_checksum(obj: torch.Tensor, ns: Namespace, h: BlockHash, raw: bytes | None = None) -> int | None:
     """The payload checksum in `obj`'s header if that header (and the size) is
     exactly what an object of block `h` under `ns` has, else None: `decode`'s
     header checks as a few bytes comparisons, for the hot paths. Callers run
-    `decode` for the diagnosis when it fails."""
+    `decode` for the diagnosis when it fails. `raw`: the header's bytes, when
+    the caller read many headers at once (`headers`)."""
     if obj.dtype != torch.uint8 or obj.dim() != 1 or obj.numel() != object_size(ns) or obj.device.type != "cpu":
         return None
-    raw = obj[:HEADER_SIZE].numpy().tobytes()
+    if raw is None:
+        raw = obj[:HEADER_SIZE].numpy().tobytes()
     head, layout = _fixed_parts(ns)
     if raw[:24] != head or raw[24:40] != h or raw[40:72] != layout or raw[_FIXED.size + _TAIL.size:] != _PADDING:
         return None
     if _TAIL.unpack_from(raw, _FIXED.size)[0] != xxhash.xxh3_64_intdigest(raw[: _FIXED.size]):
         return None
     return int.from_bytes(raw[72:80], "little")
+
+
+def headers(rows: torch.Tensor) -> list[bytes]:
+    """The header bytes of each row of ``[n, object_size]`` CPU uint8 objects,
+    read in one pass (for `claimed_checksum`'s `raw`)."""
+    assert rows.dim() == 2 and rows.dtype == torch.uint8 and rows.shape[1] >= HEADER_SIZE
+    raw = rows[:, :HEADER_SIZE].numpy().tobytes()
+    return [raw[k: k + HEADER_SIZE] for k in range(0, len(raw), HEADER_SIZE)]
 
 
 def encode(ns: Namespace, h: BlockHash, payload: torch.Tensor) -> torch.Tensor:

@@ -215,7 +215,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         S = object_size(ns)
         region = self.attachments.get(request.attachment, tenant).region(request.offset, len(keys) * S)
         # one copy: pool slot -> the client's object slot i, verified there
-        hits = self.store.load_into(ns, keys, region.view(len(keys), S).unbind(0))
+        hits = self.store.load_into(ns, keys, region.view(len(keys), S))
         sizes = [ns.payload_bytes if hit else 0 for hit in hits]
         self.metrics.moved(tenant, "load", sum(sizes))
         return pb.LoadShmReply(sizes=sizes)

@@ -5,7 +5,9 @@ top tier synchronously and returns; every lower tier is written by its own
 background writer (write-through tiers get every new block, write-back tiers
 get blocks when they are evicted from the tier above). ``load()`` reads each
 block from the highest tier that has it, verifies it, and promotes hits into
-the tiers above. Eviction is the store's job: each tier has a policy, pinned
+the tiers above, in the background: a load returns as soon as its blocks
+are read (a copy into never-touched pool memory can cost more than the read
+itself), and a promotion that finds its queue full is dropped. Eviction is the store's job: each tier has a policy, pinned
 blocks are never victims, and a victim moves to the next tier down.
 
 Copy-free variants for callers with their own buffers (the daemon's shared
@@ -45,7 +47,8 @@ import torch
 from cache_service.config import StoreConfig
 from cache_service.eviction.base import EvictionPolicy
 from cache_service.keys import Namespace
-from cache_service.objects import HEADER_SIZE, checksum, claimed_checksum, decode, encode, encode_into, object_size
+from cache_service.objects import (HEADER_SIZE, checksum, claimed_checksum, decode, encode, encode_into, headers,
+                                   object_size)
 from cache_service.writer import Item, TierWriter
 from tiers.base import Tier
 from tiers.types import BlockHash, CapacityError, CorruptBlockError, TierKVError
@@ -77,9 +80,9 @@ class TieredStore:
         self._meta = threading.Lock()  # guards _inflight, _pins, counters
         self._pins: dict[BlockHash, float] = {}
         self.counters = [dict.fromkeys(_COUNTERS, 0) for _ in tiers]
-        self._writers: list[TierWriter | None] = [None] + [
-            TierWriter(t.name, self.cfg.queue_depth, partial(self._persist, i)) for i, t in enumerate(tiers) if i
-        ]
+        # writer 0 promotes hits into the top tier; writer i > 0 fills tier i
+        self._writers = [TierWriter(t.name if i else f"{t.name}-promote", self.cfg.queue_depth,
+                                    partial(self._persist, i)) for i, t in enumerate(tiers)]
         for pol, tier in zip(self.policies, self.tiers):
             for h in tier.keys():  # oldest first, so recency survives a restart
                 pol.insert(h)
@@ -117,9 +120,11 @@ class TieredStore:
         looked for in the next tier down."""
         return self._load_from(0, ns, hashes)
 
-    def load_into(self, ns: Namespace, hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor]) -> list[bool]:
+    def load_into(self, ns: Namespace, hashes: Sequence[BlockHash],
+                  outs: Sequence[torch.Tensor] | torch.Tensor) -> list[bool]:
         """Copy each block's object (header + payload) into `outs[j]` (1-D uint8
-        CPU tensor of object_size(ns) bytes); True per hit.
+        CPU tensor of object_size(ns) bytes; or `outs` is one ``[n, object_size]``
+        tensor, whose headers are then checked in one pass); True per hit.
 
         The allocation-free load: a hit in a tier with ``get_into`` (the slot
         pools) is one copy, from the slot straight into the caller's buffer,
@@ -129,7 +134,9 @@ class TieredStore:
         """
         assert len(hashes) == len(outs), "one buffer per hash"
         size = object_size(ns)
-        outs = [o[:size] for o in outs]
+        rows = outs if isinstance(outs, torch.Tensor) else None
+        assert rows is None or tuple(rows.shape[1:]) == (size,), "rows of object_size bytes"
+        outs = list(rows.unbind(0)) if rows is not None else [o[:size] for o in outs]
         got = [False] * len(hashes)
         remaining = list(range(len(hashes)))
         promote: list[tuple[int, BlockHash, torch.Tensor]] = []
@@ -140,8 +147,9 @@ class TieredStore:
             except TierKVError:  # an object larger than this namespace's: not what was asked for
                 break
             missed = []
+            heads = headers(rows) if rows is not None and any(hits) else None
             for j, hit in zip(remaining, hits):
-                if hit and self._verified_in_place(i, ns, hashes[j], outs[j]):
+                if hit and self._verified_in_place(i, ns, hashes[j], outs[j], heads[j] if heads else None):
                     got[j] = True
                     if i and self.cfg.promote_on_hit:  # the caller's buffer is reused: promote a copy
                         promote.append((i, hashes[j], outs[j].clone()))
@@ -192,10 +200,12 @@ class TieredStore:
         out[j] = self._verified(i, ns, h, obj)
         return out[j] is not None
 
-    def _verified_in_place(self, i: int, ns: Namespace, h: BlockHash, obj: torch.Tensor) -> bool:
+    def _verified_in_place(self, i: int, ns: Namespace, h: BlockHash, obj: torch.Tensor,
+                           raw: bytes | None = None) -> bool:
         """`_verified` for a hot path: one comparison against the header (ns, h)
-        must have, the full decode (for its diagnosis) only when that fails."""
-        csum = claimed_checksum(obj, ns, h)
+        must have (`raw`: its bytes, read already), the full decode (for its
+        diagnosis) only when that fails."""
+        csum = claimed_checksum(obj, ns, h, raw)
         if csum is not None and (not self.tiers[i].verify_payload or checksum(obj[HEADER_SIZE:]) == csum):
             return True
         return self._verified(i, ns, h, obj) is not None
@@ -317,10 +327,9 @@ class TieredStore:
     def _below_has(self, i: int, h: BlockHash) -> bool:
         return self.tiers[i].contains_many([h])[0]
 
-    def _submit(self, i: int, items: Sequence[Item]) -> None:
+    def _submit(self, i: int, items: Sequence[Item], wait: bool | None = None) -> None:
         writer = self._writers[i]
-        assert writer is not None
-        wait = self.cfg.queue_full == "wait"
+        wait = self.cfg.queue_full == "wait" if wait is None else wait
         for h, obj in items:
             with self._meta:
                 entry = self._inflight.setdefault(h, [obj, 0])
@@ -339,22 +348,25 @@ class TieredStore:
                         del self._inflight[h]
 
     def _persist(self, i: int, batch: Sequence[Item]) -> None:
-        """Writer-thread body for tier i: put a batch, demoting victims below."""
+        """Writer-thread body for tier i: put a batch, demoting victims below
+        (tier 0's writer carries promotions, which it counts)."""
         with self._meta:  # a block deleted while queued must not come back
             live = [it for it in batch if it[0] in self._inflight]
         try:
-            self._put(i, live)
+            held = self._put(i, live)
+            if i == 0:
+                self._count(0, promoted=len(held))
         finally:
             self._release(h for h, _ in batch)
 
     def _promote(self, hits: Sequence[tuple[int, BlockHash, torch.Tensor]]) -> None:
-        """Hits from tier i go into the top tier now and into tiers 1..i-1 in
-        the background, so a load never waits on a slow tier's write."""
+        """Hits from tier i go into tiers 0..i-1 in the background, so a load
+        never waits on a copy into another tier. A full promotion queue drops
+        them (the block is still where it was found)."""
         for i in range(len(self.tiers) - 1, 0, -1):
             items = [(h, obj) for k, h, obj in hits if k == i]
-            if not items:
-                continue
-            self._count(0, promoted=len(self._put(0, items)))
+            if items:
+                self._submit(0, items, wait=False)
             for up in range(1, i):
                 self._submit(up, items)
 
@@ -438,16 +450,16 @@ class TieredStore:
             t = tier.stats.as_dict()
             c["corrupt"] += t["corrupt"]  # the tier's own checksum failures plus ours
             t.update(c)
-            t["queue_depth"] = self._writers[i].depth() if self._writers[i] else 0
+            t["queue_depth"] = self._writers[i].depth()
             out[tier.name] = t
         return out
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every background write has landed (True) or timeout."""
+        """Wait until every background write and promotion has landed (True) or timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for w in self._writers[1:]:
+        for w in self._writers:  # promotions first: their evictions feed the writers below
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if w is not None and not w.flush(left):
+            if not w.flush(left):
                 return False
         if self.directory is not None:  # publishing is best effort: an outage is not a flush failure
             self.directory.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -457,9 +469,8 @@ class TieredStore:
         """Flush background writes (up to cfg.flush_timeout_s), then close tiers."""
         if not self.flush(self.cfg.flush_timeout_s):
             log.warning("close: background writes did not finish within %.0fs", self.cfg.flush_timeout_s)
-        for w in self._writers[1:]:
-            if w is not None:
-                w.stop(1.0)
+        for w in self._writers:
+            w.stop(1.0)
         for tier in self.tiers:
             tier.close()
         if self.directory is not None:

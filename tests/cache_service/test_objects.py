@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from cache_service.keys import Namespace, prefix_hashes
-from cache_service.objects import HEADER_SIZE, checksum, claimed_checksum, decode, encode, object_size
+from cache_service.objects import HEADER_SIZE, checksum, claimed_checksum, decode, encode, headers, object_size
 from tiers.types import CorruptBlockError
 
 NS = Namespace("tiny", "bfloat16", num_layers=2, kv_heads=2, head_dim=8, block_tokens=4)
@@ -43,6 +43,11 @@ def test_fast_header_check_agrees_with_decode_on_every_header_bit():
             bad = obj.clone()
             bad[byte] ^= 1 << bit
             assert claimed_checksum(bad, NS, H[0]) is None, (byte, bit)
+            # the same answer from header bytes read for many rows at once
+            rows = torch.stack([obj, bad])
+            good_raw, bad_raw = headers(rows)
+            assert claimed_checksum(rows[1], NS, H[0], bad_raw) is None, (byte, bit)
+            assert claimed_checksum(rows[0], NS, H[0], good_raw) == checksum(obj[HEADER_SIZE:])
     # another block's hash, another tenant, another size: refused too
     assert claimed_checksum(obj, NS, H[1]) is None
     assert claimed_checksum(obj, NS.with_tenant("other"), H[0]) is None

@@ -143,6 +143,8 @@ def test_disk_hits_are_promoted_to_cpu(tmp_path):
         store.store(NS, hs, [payload_for(h) for h in hs])
     store = make_store(tmp_path)
     store.load(NS, hs)
+    # the promotion lands in the background: once flushed, the CPU tier has them
+    store.flush()
     assert store.stats()["disk"]["hits"] == 5 and store.stats()["cpu"]["promoted"] == 5
     store.load(NS, hs)
     assert store.stats()["cpu"]["hits"] == 5

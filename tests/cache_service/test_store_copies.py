@@ -29,6 +29,10 @@ def test_load_into_copies_hits_into_the_callers_buffers(tmp_path):
     for out, h in zip(outs[:4], hs[:4]):
         assert same(decode(out, NS, h), payload_for(h))
     assert store.stats()["cpu"]["hits"] == 4 and store.stats()["cpu"]["misses"] == 2
+    # the same into one [n, object_size] tensor (headers checked in one pass)
+    rows = torch.stack(_buffers(6))
+    assert store.load_into(NS, hs, rows) == [True] * 4 + [False] * 2
+    assert all(same(decode(row, NS, h), payload_for(h)) for row, h in zip(rows[:4], hs[:4]))
     store.close()
 
 
@@ -44,6 +48,7 @@ def test_load_into_reads_lower_tiers_and_promotes(tmp_path):
     outs = _buffers(2)
     assert store.load_into(NS, below, outs) == [True, True]
     assert all(same(decode(o, NS, h), payload_for(h)) for o, h in zip(outs, below))
+    store.flush()  # promotions land in the background
     assert store.stats()["cpu"]["promoted"] == 2
     assert store.tiers[0].contains_many(below) == [True, True]
     store.close()
