@@ -6,6 +6,7 @@ reads an untyped dict. Example ``tierkv.toml``::
     [store]
     queue_depth = 1024          # per lower tier
     queue_full = "wait"         # or "skip"
+    promote_after_hits = 2      # local lower-tier hits before a block is copied up (S3: the first; 0: never)
 
     [tiers.cpu]
     capacity = "4GiB"
@@ -174,13 +175,15 @@ class StoreConfig:
 
     queue_depth: int = 1024
     queue_full: str = "wait"
-    promote_on_hit: bool = True
+    promote_after_hits: int = 2  # a block read once from a lower tier stays there (one-shot reads copy nothing)
     flush_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.queue_depth <= 0:
             raise ConfigError(f"store.queue_depth must be positive, got {self.queue_depth}")
         _check_choice("store.queue_full", self.queue_full, ("wait", "skip"))
+        if self.promote_after_hits < 0:
+            raise ConfigError(f"store.promote_after_hits must be >= 0, got {self.promote_after_hits}")
         _check_duration("store.flush_timeout_s", self.flush_timeout_s)
 
 

@@ -42,6 +42,7 @@ import torch
 import xxhash
 
 from cache_service.wire import RequestError
+from tiers.arena import can_count_users, storage_users
 
 SHM_DIR = Path("/dev/shm")
 MAGIC = b"TKVSHM1\0"
@@ -97,10 +98,10 @@ class Segment:
         the use count of its storage), so a later call never overwrites
         bytes a caller still reads. Not thread-safe (the client locks).
         """
-        self._loans = [loan for loan in self._loans if _users(loan[2]) > 1]
+        self._loans = [loan for loan in self._loans if storage_users(loan[2]) > 1]
         for off in [0] + [-(-(o + n) // ALIGN) * ALIGN for o, n, _ in self._loans]:
             if off + nbytes <= self.data_bytes and all(off + nbytes <= o or o + n <= off for o, n, _ in self._loans):
-                if not lend or _USE_COUNT is None:
+                if not lend or not can_count_users():
                     return (off, self.data[off: off + nbytes]) if not lend else None
                 t = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=DATA_OFFSET + off)
                 self._loans.append((off, nbytes, t))
@@ -121,16 +122,6 @@ class Segment:
             self._mm.close()
         except BufferError:  # a caller still holds a view; the GC unmaps it later
             pass
-
-
-# how many tensors share a storage: torch has no public call for it; without it nothing is lent
-_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _users(t: torch.Tensor) -> int:
-    """Tensors (ours included) holding `t`'s storage."""
-    storage = t.untyped_storage()
-    return _USE_COUNT(storage._cdata) - 1  # minus `storage` itself
 
 
 @dataclass(slots=True)

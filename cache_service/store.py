@@ -5,9 +5,12 @@ top tier synchronously and returns; every lower tier is written by its own
 background writer (write-through tiers get every new block, write-back tiers
 get blocks when they are evicted from the tier above). ``load()`` reads each
 block from the highest tier that has it, verifies it, and promotes hits into
-the tiers above, in the background: a load returns as soon as its blocks
-are read (a copy into never-touched pool memory can cost more than the read
-itself), and a promotion that finds its queue full is dropped. Eviction is the store's job: each tier has a policy, pinned
+the tiers above on its ``promote_after_hits``-th hit below (default 2, so a
+one-shot read from local disk copies nothing: an engine holds what it loaded
+in its own KV cache; a hit in a remote tier, S3, is copied up at once), in
+the background: a load returns as soon as its blocks are read (a
+copy into never-touched pool memory can cost more than the read itself), and
+a promotion that finds its queue full is dropped. Eviction is the store's job: each tier has a policy, pinned
 blocks are never victims, and a victim moves to the next tier down.
 
 Copy-free variants for callers with their own buffers (the daemon's shared
@@ -39,6 +42,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from functools import partial
 from typing import TYPE_CHECKING, Iterable, Sequence
 
@@ -57,6 +61,7 @@ if TYPE_CHECKING:
     from tiers.redis_dir import RedisDirectory
 
 log = logging.getLogger("tierkv.store")
+_MAX_BELOW_HITS = 1 << 16  # blocks whose lower-tier hits are remembered (oldest forgotten first)
 _COUNTERS = ("hits", "misses", "evictions", "corrupt", "promoted", "demoted", "dropped", "bypassed")
 
 
@@ -79,6 +84,7 @@ class TieredStore:
         self._inflight: dict[BlockHash, list] = {}  # hash -> [object, pending writes]
         self._meta = threading.Lock()  # guards _inflight, _pins, counters
         self._pins: dict[BlockHash, float] = {}
+        self._below_hits: OrderedDict[BlockHash, int] = OrderedDict()  # lower-tier hits not yet promoted
         self.counters = [dict.fromkeys(_COUNTERS, 0) for _ in tiers]
         # writer 0 promotes hits into the top tier; writer i > 0 fills tier i
         self._writers = [TierWriter(t.name if i else f"{t.name}-promote", self.cfg.queue_depth,
@@ -151,7 +157,7 @@ class TieredStore:
             for j, hit in zip(remaining, hits):
                 if hit and self._verified_in_place(i, ns, hashes[j], outs[j], heads[j] if heads else None):
                     got[j] = True
-                    if i and self.cfg.promote_on_hit:  # the caller's buffer is reused: promote a copy
+                    if i and self._due(i, hashes[j]):  # the caller's buffer is reused: promote a copy
                         promote.append((i, hashes[j], outs[j].clone()))
                 else:
                     missed.append(j)
@@ -180,7 +186,7 @@ class TieredStore:
             missed = []
             for j, obj in zip(remaining, objs):
                 if obj is not None and self._accept(i, ns, hashes[j], obj, out, j):
-                    if i and self.cfg.promote_on_hit:
+                    if i and self._due(i, hashes[j]):
                         promote.append((i, hashes[j], obj))
                 else:
                     missed.append(j)
@@ -358,6 +364,19 @@ class TieredStore:
                 self._count(0, promoted=len(held))
         finally:
             self._release(h for h, _ in batch)
+
+    def _due(self, i: int, h: BlockHash) -> bool:
+        """Count a hit of `h` in tier i > 0; True when it is the one that promotes."""
+        n = self.cfg.promote_after_hits
+        if n <= 1 or self.tiers[i].remote:
+            return n >= 1
+        with self._meta:
+            seen = self._below_hits.pop(h, 0) + 1
+            if seen < n:
+                self._below_hits[h] = seen
+                if len(self._below_hits) > _MAX_BELOW_HITS:
+                    self._below_hits.popitem(last=False)
+        return seen >= n
 
     def _promote(self, hits: Sequence[tuple[int, BlockHash, torch.Tensor]]) -> None:
         """Hits from tier i go into tiers 0..i-1 in the background, so a load

@@ -41,11 +41,13 @@ class Tier(ABC):
 
     ``verify_payload`` tells the store whether objects read from this tier need
     their payload checksum checked (memory tiers are trusted; a tier that
-    verifies its own stored checksum may say False too).
+    verifies its own stored checksum may say False too). ``remote`` marks a
+    tier read over the network: the store copies its hits up on the first one.
     """
 
     name: str = "tier"
     verify_payload: bool = True
+    remote: bool = False
 
     def __init__(self, capacity_bytes: int) -> None:
         assert capacity_bytes > 0, "tier capacity must be positive"

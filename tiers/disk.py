@@ -38,6 +38,7 @@ import lmdb
 import torch
 import xxhash
 
+from tiers.arena import Arena
 from tiers.base import ByteBudget, Tier
 from tiers.types import HASH_BYTES, BlockHash, TierKVError, TierUnavailableError
 
@@ -77,14 +78,14 @@ def _readers() -> ThreadPoolExecutor:
         return _readers_pool
 
 
-def _buffers(sizes: list[int]) -> list[torch.Tensor]:
-    """Read buffers: rows of one allocation when all objects have the same
+def _buffers(arena: Arena, sizes: list[int]) -> list[torch.Tensor]:
+    """Read buffers: rows of the tier's arena when all objects have the same
     size (the usual batch of one namespace), so the payloads handed out are
     evenly spaced in one buffer and a caller can take them as one batch
-    without copying (connectors/vllm_pages.py); one allocation also faults
-    its fresh pages in once. The rows share that allocation's lifetime."""
+    without copying (connectors/vllm_pages.py), and the next batch reuses
+    memory already faulted in once the caller has dropped them."""
     if sizes and all(n == sizes[0] for n in sizes):
-        return list(torch.empty((len(sizes), sizes[0]), dtype=torch.uint8).unbind(0))
+        return arena.rows(len(sizes), sizes[0])
     return [torch.empty(n, dtype=torch.uint8) for n in sizes]
 
 
@@ -122,6 +123,7 @@ class DiskTier(ByteBudget, Tier):
         self._reserved = 0  # bytes of puts in flight
         self._clock = 0
         self._seq = count()
+        self._arena = Arena()  # read buffers, reused once callers drop what they got
         self._full_logged = -1e9  # last "filesystem full" warning (monotonic s)
         self._closed = False
         self._recover()
@@ -289,7 +291,7 @@ class DiskTier(ByteBudget, Tier):
                     e.atime = self._tick()
                     self._dirty.add(h)
         found = [(h, e) for h, e in zip(hashes, entries) if e is not None]
-        bufs = _buffers([e.size for _, e in found])
+        bufs = _buffers(self._arena, [e.size for _, e in found])
         read = iter(_readers().map(self._read, *zip(*found), bufs) if len(found) > 1 else
                     [self._read(h, e, b) for (h, e), b in zip(found, bufs)])
         out: list[torch.Tensor | None] = []

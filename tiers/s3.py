@@ -75,6 +75,7 @@ class S3Tier(ByteBudget, Tier):
 
     name = "s3"
     verify_payload = True
+    remote = True  # a hit is copied up at once: a second read would cross the network again
 
     def __init__(self, bucket: str, *, capacity_bytes: int, prefix: str = "tierkv",
                  endpoint_url: str | None = None, region: str = "us-east-1",

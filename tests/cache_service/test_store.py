@@ -10,7 +10,7 @@ import pytest
 from cache_service.config import load_config
 from cache_service.factory import open_store
 from cache_service.objects import encode
-from tests.cache_service.store_helpers import NS, OBJ, hashes, make_store, payload_for, same
+from tests.cache_service.store_helpers import NS, OBJ, all_same, hashes, make_store, payload_for, same
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,19 +136,37 @@ def test_a_tier_full_of_pinned_blocks_sends_new_blocks_below(tmp_path):
     store.close()
 
 
-def test_disk_hits_are_promoted_to_cpu(tmp_path):
-    # blocks on disk only; a load reads them from disk and puts them in the CPU tier
+def test_disk_hits_are_promoted_to_cpu_on_their_second_hit(tmp_path):
+    # blocks on disk only
     hs = hashes(5)
     with make_store(tmp_path) as store:
         store.store(NS, hs, [payload_for(h) for h in hs])
     store = make_store(tmp_path)
-    store.load(NS, hs)
-    # the promotion lands in the background: once flushed, the CPU tier has them
+    # a first read comes from disk and copies nothing up (a one-shot read)
+    assert all_same(store.load(NS, hs), hs)
     store.flush()
-    assert store.stats()["disk"]["hits"] == 5 and store.stats()["cpu"]["promoted"] == 5
+    assert store.stats()["disk"]["hits"] == 5 and store.stats()["cpu"]["promoted"] == 0
+    # the second read promotes them, in the background: once flushed, the CPU tier has them
+    assert all_same(store.load(NS, hs), hs)
+    store.flush()
+    assert store.stats()["disk"]["hits"] == 10 and store.stats()["cpu"]["promoted"] == 5
     store.load(NS, hs)
     assert store.stats()["cpu"]["hits"] == 5
     store.close()
+
+
+def test_promote_after_hits_one_promotes_every_hit_and_zero_none(tmp_path):
+    # every hit promotes with 1, none with 0
+    hs = hashes(3)
+    with make_store(tmp_path) as store:
+        store.store(NS, hs, [payload_for(h) for h in hs])
+    for after, promoted in ((1, 3), (0, 0)):
+        store = make_store(tmp_path, cpu_blocks=16, promote_after_hits=after)
+        for _ in range(3):
+            assert all_same(store.load(NS, hs), hs)
+        store.flush()
+        assert store.stats()["cpu"]["promoted"] == promoted, after
+        store.close()
 
 
 class _SlowDisk:
