@@ -16,7 +16,8 @@ SmolLM2-135M bf16, a ~2,000-token prompt (random ids), greedy, 1 token:
 Every engine gets a warm-up request first (a process's first one as long
 as a document: it builds the CPU kernels for those shapes). Full mode starts
 a new vLLM process for every case (warm cases: a new process, as after a
-restart) and sends 5 documents and the chat. ``--quick`` runs one engine per
+restart), once the servers are idle (their background writes to disk done),
+and sends 5 documents and the chat. ``--quick`` runs one engine per
 connector, with one document and the chat: the warm request follows a reset of
 vLLM's own prefix cache in the same engine, so it can only hit the
 connector (our disk engine gets a 1 MiB CPU tier, so its warm request reads
@@ -209,6 +210,12 @@ class Servers:
         wait_idle(self.procs["lmcache"].pid)
         return f"127.0.0.1:{self.lmcache_port}"
 
+    def settle(self) -> None:
+        """Wait until every server is idle (its background writes to disk done)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                wait_idle(proc.pid)
+
     def _start(self, name: str, cmd: list[str], port: int) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
         self.procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -398,6 +405,7 @@ def main() -> int:
                 if case["phases"][0]["name"] == "lmcache_warm_disk":  # a new server: its memory is gone, its disk is not
                     servers.stop("lmcache")
                     servers.start_lmcache()
+                servers.settle()  # a resumed conversation comes after the servers' background writes, not during
                 results += _run_child(venv_py, model, [case], work, log)
     finally:
         servers.stop_all()
