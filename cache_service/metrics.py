@@ -3,7 +3,7 @@
 Metrics (one registry per daemon, served on ``--metrics-port``):
 
 - ``tierkv_tier_<counter>_total{tier}``: hits, misses, evictions, corrupt,
-  promoted, demoted, dropped, bypassed, bytes_in, bytes_out, errors, read
+  promoted, demoted, dropped, bypassed, deferred, bytes_in, bytes_out, errors, read
   from ``TieredStore.stats()`` at scrape time (a custom collector, so the
   data path never touches Prometheus objects for these);
 - ``tierkv_tier_{blocks,used_bytes,capacity_bytes,queue_depth}{tier}`` gauges;

@@ -19,12 +19,14 @@ from tiers.base import Tier
 from tiers.types import BlockHash, CapacityError
 
 _MAX_BELOW_HITS = 1 << 16  # blocks whose lower-tier hits are remembered (oldest forgotten first)
+_MAX_DEFERRED = 1 << 20  # blocks a down tier refused, remembered to write once it is back
 
 
 class BlockMoves:
     """The store's placement machinery (see the module docstring)."""
 
     _below_hits: OrderedDict[BlockHash, int]
+    _deferred: list[OrderedDict[BlockHash, None]]
 
     def _put(self, i: int, items: Sequence[Item], owned: bool = True) -> set[BlockHash]:
         """Put items into tier i, evicting as needed; victims and items that
@@ -43,10 +45,49 @@ class BlockMoves:
         self._count(i, evictions=len(victims))
         self._demote(i, [v for v in victims if v[1] is not None], "demoted")
         bypassed = [it for it, good in zip(todo, ok) if not good]
+        if i and bypassed and not tier.available():  # down for now: written once it is back
+            self._defer(i, [h for h, _ in bypassed])
+            bypassed = []
         if not owned and i + 1 < len(self.tiers):
             bypassed = [(h, obj.clone()) for h, obj in bypassed]
         self._demote(i, bypassed, "bypassed")
         return held
+
+    def _defer(self, i: int, hashes: Sequence[BlockHash]) -> None:
+        """Remember blocks tier i refused while down (hashes only: their bytes
+        stay in the tiers above); bounded, the oldest are dropped first."""
+        with self._meta:
+            later = self._deferred[i]
+            later.update(dict.fromkeys(hashes))
+            over = max(0, len(later) - _MAX_DEFERRED)
+            for _ in range(over):
+                later.popitem(last=False)
+        self._count(i, deferred=len(hashes), dropped=over)
+
+    def _retry_deferred(self, i: int, batch: int = 64, most: int = 4096) -> None:
+        """Writer i's tick: once tier i is available again, write the blocks it
+        refused while down, read back from the tiers above (a block that left
+        them meanwhile is dropped and counted)."""
+        done = 0
+        while done < most and self.tiers[i].available():
+            with self._meta:
+                hs = [self._deferred[i].popitem(last=False)[0] for _ in range(min(batch, len(self._deferred[i])))]
+            if not hs:
+                return
+            items = self._read_above(i, hs)
+            self._count(i, dropped=len(hs) - len(items))
+            self._put(i, items)
+            done += len(hs)
+
+    def _read_above(self, i: int, hashes: Sequence[BlockHash]) -> list[Item]:
+        """(hash, object) of each of `hashes` some tier above i holds."""
+        found: dict[BlockHash, torch.Tensor] = {}
+        for tier in self.tiers[:i]:
+            todo = [h for h in hashes if h not in found]
+            if not todo:
+                break
+            found.update((h, obj) for h, obj in zip(todo, tier.get_many(todo)) if obj is not None)
+        return [(h, found[h]) for h in hashes if h in found]
 
     def _put_locked(self, i: int, todo: Sequence[Item], victims: list[Item]) -> list[bool]:
         tier = self.tiers[i]

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from tiers.redis_dir import RedisDirectory
 
 log = logging.getLogger("tierkv.store")
-_COUNTERS = ("hits", "misses", "evictions", "corrupt", "promoted", "demoted", "dropped", "bypassed")
+_COUNTERS = ("hits", "misses", "evictions", "corrupt", "promoted", "demoted", "dropped", "bypassed", "deferred")
 
 
 class TieredStore(BlockMoves):
@@ -87,10 +87,12 @@ class TieredStore(BlockMoves):
         self._meta = threading.Lock()  # guards _inflight, _pins, counters
         self._pins: dict[BlockHash, float] = {}
         self._below_hits: OrderedDict[BlockHash, int] = OrderedDict()  # lower-tier hits not yet promoted
+        self._deferred = [OrderedDict() for _ in tiers]  # per tier: blocks refused while it was down
         self.counters = [dict.fromkeys(_COUNTERS, 0) for _ in tiers]
         # writer 0 promotes hits into the top tier; writer i > 0 fills tier i
         self._writers = [TierWriter(t.name if i else f"{t.name}-promote", self.cfg.queue_depth,
-                                    partial(self._persist, i)) for i, t in enumerate(tiers)]
+                                    partial(self._persist, i), tick=partial(self._retry_deferred, i) if i else None)
+                         for i, t in enumerate(tiers)]
         for pol, tier in zip(self.policies, self.tiers):
             for h in tier.keys():  # oldest first, so recency survives a restart
                 pol.insert(h)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -24,11 +25,14 @@ Item = tuple[BlockHash, torch.Tensor]
 class TierWriter:
     """Drains `q` into `write(batch)`; `write` is the store's persist function."""
 
-    def __init__(self, name: str, depth: int, write: Callable[[Sequence[Item]], None], batch: int = 64) -> None:
+    def __init__(self, name: str, depth: int, write: Callable[[Sequence[Item]], None], batch: int = 64,
+                 tick: Callable[[], None] | None = None, tick_s: float = 1.0) -> None:
         self.name = name
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self._write = write
         self._batch = batch
+        self._tick, self._tick_s = tick, tick_s  # `tick` runs on this thread about every tick_s
+        self._next_tick = time.monotonic() + tick_s
         self._thread = threading.Thread(target=self._run, name=f"tierkv-writer-{name}", daemon=True)
         self._thread.start()
 
@@ -55,7 +59,10 @@ class TierWriter:
         self._thread.join(timeout)
 
     def _next_batch(self) -> tuple[list[Item], bool]:
-        items = [self.q.get()]
+        try:
+            items = [self.q.get(timeout=self._tick_s if self._tick else None)]
+        except queue.Empty:
+            return [], False
         while len(items) < self._batch:
             try:
                 items.append(self.q.get_nowait())
@@ -77,3 +84,13 @@ class TierWriter:
                     self.q.task_done()
             if stop:
                 return
+            self._maybe_tick()
+
+    def _maybe_tick(self) -> None:
+        if self._tick is None or time.monotonic() < self._next_tick:
+            return
+        self._next_tick = time.monotonic() + self._tick_s
+        try:
+            self._tick()
+        except Exception:  # dispatch boundary, as for a batch
+            log.exception("writer %s: periodic work failed", self.name)

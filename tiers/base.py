@@ -54,6 +54,11 @@ class Tier(ABC):
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats(capacity_bytes=capacity_bytes)
 
+    def available(self) -> bool:
+        """False while the tier refuses writes for a reason that passes (its
+        server down); the store retries what it refused then. Cheap, no I/O."""
+        return True
+
     @abstractmethod
     def put_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[bool]:
         """Store each object; True where it is now held (already held counts).

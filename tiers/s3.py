@@ -352,6 +352,10 @@ class S3Tier(ByteBudget, Tier):
             return [fn(x) for x in items]
         return list(self._pool.map(fn, items))
 
+    def available(self) -> bool:
+        """False while S3 is left alone after a failure that looked like an outage."""
+        return time.monotonic() >= self._down_until
+
     def _usable(self) -> bool:
         """False while S3 is being left alone after a failure; checks the
         bucket first if that has not succeeded yet."""

@@ -1,7 +1,8 @@
 """Redis, then the S3 gateway, stopped in the middle of a load on a store
 cpu -> disk -> s3 with a Redis directory: no error reaches the caller (the
-engine's side of the store API), no wrong block is served, and once each
-service is back the store uses it again within seconds."""
+engine's side of the store API), no wrong block is served, once each
+service is back the store uses it again within seconds, and the blocks
+stored while S3 was down reach it then."""
 from __future__ import annotations
 
 import random
@@ -96,10 +97,13 @@ def test_redis_and_s3_outages_mid_load(tmp_path, s3_server, s3_bucket, redis_url
         store.store(NS, hs, [payload_for(h) for h in hs])
         store.flush(10)
         if where == "s3":
+            stored_while_down.extend(hs)
             return store.tiers[2].contains_many(hs) == [True, True]
         return store.directory.in_s3(hs) == [True, True]
 
-    recovered, during = {}, {}
+    stored_while_down: list = []
+
+    recovered, during, late = {}, {}, {}
     with open_store(cfg) as store, Load(store) as load:
         try:
             assert until(lambda: fresh_blocks_reach("redis"), 20) is not None  # all up: the directory learns
@@ -108,17 +112,23 @@ def test_redis_and_s3_outages_mid_load(tmp_path, s3_server, s3_bucket, redis_url
                 assert servers("stop", stop, timeout=120).returncode == 0
                 during[name] = load.progressed(2.0)
                 assert not fresh_blocks_reach(where)
+                refused = list(stored_while_down)
                 assert servers("start", start, timeout=300).returncode == 0
-                # back: fresh blocks reach it again
+                # back: fresh blocks reach it again, and S3 gets what it refused while down
                 recovered[name] = until(lambda: fresh_blocks_reach(where), 45)
+                if name == "s3":
+                    late["s3"] = until(lambda: store.tiers[2].contains_many(refused) == [True] * len(refused), 45)
+                    late["deferred"] = store.stats()["s3"]["deferred"]
         finally:
             servers("start", "redis", timeout=300)
             servers("start", "s3", timeout=300)
         after = load.progressed(1.0)
     figure("outages", ops=load.ops, errors=load.errors, wrong=load.wrong, misses=load.misses,
            ops_during_redis_outage=during.get("redis"), ops_during_s3_outage=during.get("s3"),
-           redis_back_s=recovered.get("redis"), s3_back_s=recovered.get("s3"))
+           redis_back_s=recovered.get("redis"), s3_back_s=recovered.get("s3"),
+           s3_refused_written_s=late.get("s3"), s3_deferred=late.get("deferred"))
     assert load.errors == 0, repr(load.first_error)
     assert load.wrong == 0
     assert all(n > 0 for n in during.values()) and after > 0
     assert None not in recovered.values(), recovered
+    assert late.get("s3") is not None, "blocks stored while S3 was down never reached it"

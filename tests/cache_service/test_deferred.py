@@ -1,0 +1,76 @@
+"""Writes a tier refuses while it is down are made once it is back, from the
+bytes the tiers above still hold (the S3 outage case; the reliability suite
+stops a real S3 gateway for the same story)."""
+from __future__ import annotations
+
+import time
+
+from cache_service.eviction import make_policy
+from cache_service.objects import decode
+from cache_service.store import TieredStore
+from tests.cache_service.store_helpers import NS, OBJ, all_same, hashes, payload_for
+from tiers.cpu import CpuTier
+from tiers.disk import DiskTier
+
+
+class FlakyDisk(DiskTier):
+    """A real disk tier that refuses every write while `down` (as S3 does
+    during an outage: put_many returns False and available() says why)."""
+
+    down = False
+
+    def available(self) -> bool:
+        return not self.down
+
+    def put_many(self, hashes, objs):
+        if self.down:
+            return [False] * len(hashes)
+        return super().put_many(hashes, objs)
+
+
+def _store(tmp_path, cpu_blocks: int = 64) -> tuple[TieredStore, FlakyDisk]:
+    lower = FlakyDisk(tmp_path / "lower", 1024 * OBJ, fsync=False)
+    tiers = [CpuTier(cpu_blocks * OBJ, OBJ), lower]
+    store = TieredStore(tiers, [make_policy("lru", cpu_blocks), make_policy("lru", 1024)], ["through", "through"])
+    return store, lower
+
+
+def _until(check, limit_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + limit_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_blocks_refused_while_down_are_written_once_back(tmp_path):
+    store, lower = _store(tmp_path)
+    hs = hashes(10)
+    # the lower tier is down: stores succeed (the top tier has them), the lower writes are deferred
+    lower.down = True
+    store.store(NS, hs, [payload_for(h) for h in hs])
+    assert store.flush(10)
+    assert lower.contains_many(hs) == [False] * 10
+    assert store.stats()["disk"]["deferred"] == 10 and store.stats()["disk"]["dropped"] == 0
+    # it comes back: within a writer tick or two, every block is there, byte-exact
+    lower.down = False
+    assert _until(lambda: lower.contains_many(hs) == [True] * 10)
+    assert all_same([decode(o, NS, h) for o, h in zip(lower.get_many(hs), hs)], hs)
+    store.close()
+
+
+def test_a_block_gone_from_the_tiers_above_is_counted_dropped(tmp_path):
+    store, lower = _store(tmp_path, cpu_blocks=64)
+    hs = hashes(6)
+    lower.down = True
+    store.store(NS, hs, [payload_for(h) for h in hs])
+    assert store.flush(10)
+    # two blocks leave the top tier while the lower one is down: nothing is left to write them from
+    store.tiers[0].delete_many(hs[:2])
+    lower.down = False
+    assert _until(lambda: lower.contains_many(hs[2:]) == [True] * 4)
+    assert _until(lambda: store.stats()["disk"]["dropped"] == 2)
+    assert lower.contains_many(hs[:2]) == [False, False]
+    store.close()
+
