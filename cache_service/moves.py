@@ -180,7 +180,8 @@ class BlockMoves:
         them (the block is still where it was found)."""
         for i in range(len(self.tiers) - 1, 0, -1):
             items = [(h, obj) for k, h, obj in hits if k == i]
-            if items:
-                self._submit(0, items, wait=False)
+            if not items:
+                continue
+            self._submit(0, items, wait=False)
             for up in range(1, i):
                 self._submit(up, items)
