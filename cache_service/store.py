@@ -4,14 +4,15 @@ Tiers are ordered top (fastest) to bottom. ``store()`` puts objects into the
 top tier synchronously and returns; every lower tier is written by its own
 background writer (write-through tiers get every new block, write-back tiers
 get blocks when they are evicted from the tier above). ``load()`` reads each
-block from the highest tier that has it, verifies it, and promotes hits into
-the tiers above on its ``promote_after_hits``-th hit below (default 2, so a
-one-shot read from local disk copies nothing: an engine holds what it loaded
-in its own KV cache; a hit in a remote tier, S3, is copied up at once), in
-the background: a load returns as soon as its blocks are read (a
-copy into never-touched pool memory can cost more than the read itself), and
-a promotion that finds its queue full is dropped. Eviction is the store's job: each tier has a policy, pinned
-blocks are never victims, and a victim moves to the next tier down.
+block from the highest tier that has it, verifies it, and promotes a block
+into the tiers above on its ``promote_after_hits``-th hit below (default 2,
+so a one-shot read from local disk copies nothing: an engine holds what it
+loaded in its own KV cache; a hit in a remote tier, S3, is copied up at
+once), in the background: a load returns as soon as its blocks are read (a
+copy into never-touched pool memory can cost more than the read itself),
+and a promotion that finds its queue full is dropped. Eviction is the
+store's job: each tier has a policy, pinned blocks are never victims, and a
+victim moves to the next tier down.
 
 Copy-free variants for callers with their own buffers (the daemon's shared
 memory): ``load_into`` copies a slot-pool hit straight into the caller's

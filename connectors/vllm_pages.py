@@ -143,13 +143,10 @@ class PagedKV:
         stage = None if batch is not None else self._buf("layer", (n * k, 2, tokens, heads, dim))
         runs = _runs(page_ids)
         for i, layer in enumerate(self.layers):
-            if batch is not None:
-                src = batch[:, i]
-            else:
-                src = torch.stack([b[i] for b in blocks], out=stage)
-            pages = layer.view(layer.shape[0], heads, -1)
+            src = batch[:, i] if batch is not None else torch.stack([b[i] for b in blocks], out=stage)
+            src, pages = src.view(n, k, 2, tokens, heads, dim), layer.view(layer.shape[0], heads, -1)
             for a, b, first in runs:
-                self._write_run(src.view(n, k, 2, tokens, heads, dim)[a:b], pages[first: first + b - a])
+                self._write_run(src[a:b], pages[first: first + b - a])
 
     def _write_run(self, src: Tensor, dst: Tensor) -> None:
         """``[m, k, 2, tokens, H, D]`` blocks -> the ``[m, H, 2 * page * D]`` regions of m consecutive pages."""

@@ -359,7 +359,7 @@ class S3Tier(ByteBudget, Tier):
     def _usable(self) -> bool:
         """False while S3 is being left alone after a failure; checks the
         bucket first if that has not succeeded yet."""
-        if time.monotonic() < self._down_until:
+        if not self.available():
             return False
         if not self._ready:
             try:
