@@ -31,8 +31,9 @@ warm from disk; ``ours_vs_lmcache_warm`` = ours / LMCache, both warm from
 memory (lower is better, goal <= 1), each on the mean TTFT over the warm
 workload (documents and chat resume; ``*_docs`` and ``*_chat`` split it); ``cold_overhead`` = ours cold (daemon) /
 cold - 1 (goal <= 0.05; ``cold_save_fraction``, the share of those cold
-requests' time our connector spent saving, is the same question without the
-noise of two separate runs); ``warm_speedup_vs_cold`` = cold / ours warm
+requests' time a step waited for our saves, is the same question without the
+noise of two separate runs; ``cold_save_background_fraction`` is the saving
+our connector did on its save thread meanwhile); ``warm_speedup_vs_cold`` = cold / ours warm
 (memory). Our connector's load and save times and its load bandwidth against
 a memcpy in the same process are printed too. Last line: one JSON object.
 
@@ -59,14 +60,15 @@ from bench._procs import free_port, wait_idle, wait_port  # noqa: E402
 
 
 # ------------------------------------------------------------------ child: runs vLLM engines
-def _engine_config(kind: str, arg: str):
+def _engine_config(kind: str, arg: str, sync_save: bool = False):
     from vllm.config import KVTransferConfig
 
     if kind == "none":
         return None
     if kind == "ours":
         return KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="connectors.vllm",
-                                kv_role="kv_both", kv_connector_extra_config={"url": arg})
+                                kv_role="kv_both",
+                                kv_connector_extra_config={"url": arg, "async_save": not sync_save})
     if kind == "example":
         return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                 kv_connector_extra_config={"shared_storage_path": arg})
@@ -87,7 +89,7 @@ def run_engine(model: str, case: dict, max_model_len: int) -> list[dict]:
 
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, seed=0, max_model_len=max_model_len,
-              kv_transfer_config=_engine_config(case["kind"], case.get("arg", "")))
+              kv_transfer_config=_engine_config(case["kind"], case.get("arg", ""), case.get("sync_save", False)))
     init = time.perf_counter() - t0
     one = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate([TokensPrompt(prompt_token_ids=case["warmup"])], one, use_tqdm=False)
@@ -95,6 +97,8 @@ def run_engine(model: str, case: dict, max_model_len: int) -> list[dict]:
         llm.generate([TokensPrompt(prompt_token_ids=case["warmup"] + case["warmup"][:40])], one, use_tqdm=False)
     results = []
     for phase in case["phases"]:
+        if case["kind"] == "ours":
+            _finish_our_saves(llm)  # the previous phase's saves are in the store before this one asks for them
         if phase.get("before"):
             _flush_our_stores()
             _drop_page_cache(phase["before"])
@@ -117,9 +121,9 @@ def run_engine(model: str, case: dict, max_model_len: int) -> list[dict]:
     del llm
     gc.collect()
     if case["kind"] == "ours":
-        from connectors import vllm as ours
+        from connectors import vllm_clients
 
-        assert not ours._clients, "the store must be closed between engines (else the next one is not new)"
+        assert not vllm_clients._clients, "the store must be closed between engines (else the next one is not new)"
     return results
 
 
@@ -128,7 +132,23 @@ def _our_load_stats() -> dict[str, float]:
     from connectors.vllm import connectors_in_process
 
     w = next(c.worker for c in connectors_in_process() if c.worker is not None).stats
-    return {"load_s": w.load_s, "bytes_loaded": w.bytes_loaded, "save_s": w.save_s, "bytes_saved": w.bytes_saved}
+    return {"load_s": w.load_s, "bytes_loaded": w.bytes_loaded, "save_s": w.save_s, "bytes_saved": w.bytes_saved,
+            "save_wait_s": w.save_wait_s}
+
+
+def _finish_our_saves(llm) -> None:
+    """Our queued saves done, and vLLM told so: it frees the pages of the
+    requests it kept for them (else it refuses to reset its prefix cache)."""
+    from connectors.vllm import connectors_in_process
+
+    for c in connectors_in_process():
+        if c.worker is not None and c.worker.saves is not None:
+            assert c.worker.saves.wait(timeout_s=60), "our saves did not finish within 60 s"
+    core = llm.llm_engine.engine_core.engine_core  # in-process (see child_main): step it to hear get_finished
+    for _ in range(5):
+        if not core.scheduler.requests:
+            break
+        core.step()
 
 
 def _flush_our_stores() -> None:
@@ -325,10 +345,11 @@ def summarize(results: list[dict]) -> dict:
     med = {n: statistics.median(of(r, "doc") if r["labels"].count("chat") > 1 else r["ttft"])
            for n, r in by.items()}
     doc = {n: statistics.median(of(r, "doc")) for n, r in by.items()}
-    print(f"{'case':<18} {'init s':>6} {'TTFT s':>7} {'docs':>7} {'chat':>7} {'our save s':>10}  cached tokens")
+    print(f"{'case':<18} {'init s':>6} {'TTFT s':>7} {'docs':>7} {'chat':>7} {'our save s':>10} {'in step':>7}  "
+          "cached tokens")
     for n, r in by.items():
         chat = of(r, "chat")
-        save = f"{r['save_s']:10.3f}" if "save_s" in r else f"{'':>10}"
+        save = f"{r['save_s']:10.3f} {r['save_wait_s']:7.3f}" if "save_s" in r else f"{'':>18}"
         print(f"{n:<18} {r['init_s']:6.1f} {med[n]:7.3f} {doc[n]:7.3f} {chat[-1]:7.3f} {save}  {r['cached']}")
     # warm figures: the mean over the workload (its documents and the chat resume), as a user waits for all of it
     mean = {n: statistics.fmean(r["ttft"]) for n, r in by.items()}
@@ -345,9 +366,11 @@ def summarize(results: list[dict]) -> dict:
         out[f"ours_vs_{peer}_warm_chat"] = chat[a] / chat[b] if present else None
     out["cold_overhead"] = doc.get("ours_cold_mem", doc["ours_cold_disk"]) / doc["cold"] - 1.0
     out["warm_speedup_vs_cold"] = mean["cold"] / ours_mem
-    # the part of the cold requests' time our connector spent saving (less noisy than two TTFTs' ratio)
+    # the part of the cold requests' time a step waited for our saves (less noisy than two TTFTs' ratio),
+    # and the saving done meanwhile on the connector's save thread
     stored = by.get("ours_cold_mem", by["ours_cold_disk"])
-    out["cold_save_fraction"] = stored["save_s"] / sum(stored["ttft"])
+    out["cold_save_fraction"] = stored["save_wait_s"] / sum(stored["ttft"])
+    out["cold_save_background_fraction"] = stored["save_s"] / sum(stored["ttft"])
     for n in ("ours_warm_mem", "ours_warm_disk"):
         r = by.get(n)
         if r and r.get("load_s"):
@@ -360,7 +383,8 @@ def summarize(results: list[dict]) -> dict:
         if out[f"ours_vs_{peer}_warm"] is not None:
             print(f"ours / {what}: {out[f'ours_vs_{peer}_warm']:.2f} (goal <= 1; documents "
                   f"{out[f'ours_vs_{peer}_warm_docs']:.2f}, chat resume {out[f'ours_vs_{peer}_warm_chat']:.2f})")
-    print(f"our saves took {out['cold_save_fraction']:.1%} of the cold requests' time")
+    print(f"steps waited for our saves {out['cold_save_fraction']:.1%} of the cold requests' time (saving itself "
+          f"took {out['cold_save_background_fraction']:.1%} of it)")
     print(f"cold overhead of storing: {out['cold_overhead']:+.1%} (goal <= +5%); warm speedup vs cold: "
           f"{out['warm_speedup_vs_cold']:.1f}x")
     return out
@@ -372,6 +396,8 @@ def main() -> int:
                     "(see the module docstring)")
     ap.add_argument("--lmcache", action="store_true", help="with --quick: run the LMCache case too (~40 s more)")
     ap.add_argument("--tokens", type=int, default=2000, help="prompt length (default: %(default)s)")
+    ap.add_argument("--sync-save", action="store_true", help="our connector saves within the step "
+                    "(async_save=false), to compare")
     ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -401,6 +427,8 @@ def main() -> int:
         except (RuntimeError, OSError) as e:
             print(f"LMCache server unavailable ({e}): no LMCache cases", file=sys.stderr)
         cases = build_cases(prompts, work, daemon_url, lmcache, args.quick)
+        for case in cases:
+            case["sync_save"] = args.sync_save
         if args.quick:  # one process for our and vLLM's connectors, one for LMCache's (see child_main)
             for group in ([c for c in cases if c["kind"] != "lmcache"], [c for c in cases if c["kind"] == "lmcache"]):
                 results += _run_child(venv_py, model, group, work, log) if group else []
@@ -417,7 +445,7 @@ def main() -> int:
     out = summarize(results)
     if "lmcache_warm_mem" not in out["ttft_s"]:
         out["lmcache"] = "not run: --quick without --lmcache" if args.quick and not args.lmcache else "unavailable"
-    out.update(quick=args.quick, prompt_tokens=args.tokens, wall_s=round(time.perf_counter() - t_start, 1),
+    out.update(quick=args.quick, sync_save=args.sync_save, prompt_tokens=args.tokens, wall_s=round(time.perf_counter() - t_start, 1),
                log=str(work / "log.txt"))
     print(json.dumps(out))
     for stored in ("ours", "example", "daemon", "lmcache"):  # keep the log, not the ~50 MB stores

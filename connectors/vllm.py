@@ -27,6 +27,10 @@ Start vLLM with::
   what vLLM does when a block cannot be loaded (evicted, corrupt). A cache
   is best-effort, so the connector sets vLLM's ``kv_load_failure_policy`` to
   this value; vLLM then recomputes the reported blocks.
+- ``async_save`` (bool, default true): saves run on a background thread
+  after the step, and vLLM frees a finished request's pages once they are
+  read (``get_finished``). ``false`` saves within the step, before its
+  output is returned.
 
 The namespace is derived from what vLLM runs: model id
 (`connectors.model_id.model_id_for_dir` for a local directory, else the
@@ -49,7 +53,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,14 +68,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from cache_service.keys import KV_DTYPES, Namespace
-from cache_service.store import TieredStore
-from connectors.client import CacheClient, connect
 from connectors.model_id import model_id_for_dir
-from connectors.vllm_scheduler import (RemoteLookup, SchedulerSide, TierKVConfig, Transfer, is_local,
-                                       lookup_address)
+from connectors.vllm_clients import acquire, close_all, release
 from connectors.vllm_pages import CpuPageLayout
-from connectors.vllm_worker import LookupServer, WorkerSide
-from tiers.types import ConfigError, TierKVError, TierUnavailableError
+from connectors.vllm_scheduler import SchedulerSide, TierKVConfig, Transfer
+from connectors.vllm_worker import WorkerSide
+from tiers.types import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,6 +93,8 @@ class TierKVMetadata(KVConnectorMetadata):
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # their pages are reused after this step's start
+    idle: bool = False  # the step computes nothing (vLLM steps only to poll get_finished)
 
 
 @dataclass
@@ -126,75 +129,14 @@ class TierKVStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-# ------------------------------------------------------------------ clients
 _instances: "weakref.WeakSet[TierKVConnector]" = weakref.WeakSet()
-_clients: dict[str, list] = {}  # url -> [client, users, lookup server or None]
-_clients_lock = threading.Lock()
-
-
-def _acquire(url: str, worker: bool) -> CacheClient | RemoteLookup | None:
-    """One client per URL and process. An embedded store (local://) can be
-    opened by one process only: the worker, created first, owns it and serves
-    lookups (LookupServer); a scheduler in the same process shares it, one in
-    another process asks the worker (RemoteLookup)."""
-    with _clients_lock:
-        entry = _clients.get(url)
-        if entry is None:
-            entry = _clients[url] = [_open(url, worker), 0, None]
-            if worker and is_local(url) and isinstance(entry[0], TieredStore):
-                entry[2] = _serve_lookups(entry[0], url)
-        entry[1] += 1
-        return entry[0]
-
-
-def _open(url: str, worker: bool) -> CacheClient | RemoteLookup | None:
-    try:
-        return connect(url)
-    except TierUnavailableError as e:
-        if not worker and is_local(url):
-            log.info("tierkv: %s; the scheduler looks blocks up through the worker that owns it", e)
-            return RemoteLookup(lookup_address(url))
-        log.warning("tierkv: %s; the connector is disabled (vLLM runs without the cache)", e)
-        return None
-    except TierKVError as e:  # malformed URL: a configuration error, fail startup
-        raise ConfigError(f"kv_connector_extra_config.url: {e}") from e
-
-
-def _serve_lookups(store: TieredStore, url: str) -> LookupServer | None:
-    try:
-        return LookupServer(store, lookup_address(url))
-    except OSError as e:  # another process serves this store: ours is not the owner
-        log.warning("tierkv: cannot serve lookups for %s (%s)", url, e)
-        return None
-
-
-def _release(url: str) -> None:
-    with _clients_lock:
-        entry = _clients.get(url)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] > 0:
-            return
-        del _clients[url]
-    _close(entry)
-
-
-def _close(entry: list) -> None:
-    client, _, server = entry
-    if server is not None:
-        server.close()
-    if client is not None:
-        client.close()  # flushes background writes
 
 
 @atexit.register
-def _close_all() -> None:
-    with _clients_lock:
-        entries = list(_clients.values())
-        _clients.clear()
-    for entry in entries:
-        _close(entry)
+def _shutdown_all() -> None:
+    for c in list(_instances):
+        c.shutdown()  # finishes its queued saves, then lets go of its client
+    close_all()
 
 
 def build_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: TierKVConfig,
@@ -284,7 +226,7 @@ class TierKVConnector(KVConnectorBase_V1):
         is_worker = role == KVConnectorRole.WORKER
         self.ns, self.page_tokens = build_namespace(vllm_config, kv_cache_config, self.cfg,
                                                     _tp_rank() if is_worker else 0)
-        self.client = _acquire(self.cfg.url, worker=is_worker)
+        self.client = acquire(self.cfg.url, worker=is_worker)
         self._closed = False
         self._reported: dict[str, float] = {}
         self.scheduler: SchedulerSide | None = None
@@ -293,7 +235,7 @@ class TierKVConnector(KVConnectorBase_V1):
         if self.client is None:
             return
         if is_worker:
-            self.worker = WorkerSide(self.client, self.ns, self.page_tokens)
+            self.worker = WorkerSide(self.client, self.ns, self.page_tokens, async_save=self.cfg.async_save)
         else:
             # vLLM reads the policy after building the scheduler's connector
             self._kv_transfer_config.kv_load_failure_policy = self.cfg.load_failure
@@ -332,6 +274,22 @@ class TierKVConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if self.worker is not None and isinstance(meta, TierKVMetadata) and meta.saves:
             self.worker.save(meta.saves)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        saves = self.worker.saves if self.worker is not None else None
+        meta = kv_connector_metadata
+        if saves is not None and isinstance(meta, TierKVMetadata) and meta.preempted:
+            saves.wait(meta.preempted)  # vLLM reuses their pages in this step
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        saves = self.worker.saves if self.worker is not None else None
+        if saves is None:
+            return None, None
+        meta = self._connector_metadata
+        if isinstance(meta, TierKVMetadata) and meta.idle and saves.waiting_requests():
+            # vLLM steps without work only to ask us: wait a little here instead of spinning
+            saves.wait(timeout_s=0.05)
+        return saves.finished(finished_req_ids) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_invalid_pages() if self.worker is not None else set()
@@ -378,7 +336,8 @@ class TierKVConnector(KVConnectorBase_V1):
         state = scheduler_output.kv_connector_block_state
         assert state is not None, "vLLM >= 0.32 hands the connector the block state of scheduled requests"
         loads, saves = self.scheduler.plan(scheduled, lambda req_id: state.get_block_ids(req_id)[0])
-        return TierKVMetadata(loads, saves)
+        return TierKVMetadata(loads, saves, sorted(scheduler_output.preempted_req_ids or ()),
+                              idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -388,15 +347,19 @@ class TierKVConnector(KVConnectorBase_V1):
                 self.scheduler.load_failed(req_id, good)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self.scheduler is not None:
-            self.scheduler.finished(request.request_id)
-        return False, None  # saves are done synchronously within each step
+        if self.scheduler is None:
+            return False, None
+        saving = self.scheduler.finished(request.request_id)
+        return saving and self.cfg.async_save, None  # True: vLLM frees the pages once get_finished says so
 
     # ================================================================ both
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
-            _release(self.cfg.url)
+            if self.worker is not None and self.worker.saves is not None:
+                if not self.worker.saves.close():
+                    log.warning("tierkv: saves still running at shutdown were abandoned")
+            release(self.cfg.url)
 
 
 def connectors_in_process() -> list[TierKVConnector]:

@@ -13,6 +13,8 @@ backend. `connectors/vllm_worker.py` moves those blocks to and from the store.
 """
 from __future__ import annotations
 
+import copy
+
 import re
 
 import torch
@@ -111,6 +113,12 @@ class PagedKV:
             if layer.shape != first.shape or layer.dtype != first.dtype or not layer.is_contiguous():
                 raise ConfigError(f"layer {name!r} is {tuple(layer.shape)} {layer.dtype}; layers must match "
                                   f"{tuple(first.shape)} {first.dtype} and be contiguous")
+
+    def sibling(self) -> "PagedKV":
+        """The same pages with buffers of its own, for another thread."""
+        twin = copy.copy(self)
+        twin._bufs = {}
+        return twin
 
     def read_blocks(self, page_ids: list[int], tokens: int) -> Tensor:
         """Pages `page_ids` as canonical blocks ``[n * page // tokens, L, 2, tokens, H, D]``

@@ -41,6 +41,7 @@ class TierKVConfig:
     block_tokens: int = 16
     tenant: str = ""
     load_failure: str = "recompute"
+    async_save: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -50,6 +51,8 @@ class TierKVConfig:
             raise ConfigError(f"kv_connector_extra_config.block_tokens must be a positive int, got {bt!r}")
         if not isinstance(self.tenant, str):
             raise ConfigError(f"kv_connector_extra_config.tenant must be a string, got {self.tenant!r}")
+        if not isinstance(self.async_save, bool):
+            raise ConfigError(f"kv_connector_extra_config.async_save must be true or false, got {self.async_save!r}")
         if self.load_failure not in _LOAD_FAILURE:
             raise ConfigError(f"kv_connector_extra_config.load_failure must be one of {_LOAD_FAILURE}, "
                               f"got {self.load_failure!r}")
@@ -90,6 +93,7 @@ class _Request:
     hashes: list[BlockHash] = field(default_factory=list)  # memo for lookups
     load: tuple[int, int] | None = None  # tokens to load at the next step
     load_pages: list[int] = field(default_factory=list)
+    saving: bool = False  # a save was planned: the worker reports the request when its saves are done
 
 
 @dataclass(slots=True)
@@ -180,7 +184,7 @@ class SchedulerSide:
                 first, last = st.stored // self.page, -(-full // self.page)
                 saves.append(Transfer(req_id, list(st.tokens[:full]), st.stored, full,
                                       list(pages[first:last]), st.tenant))
-                st.stored = full
+                st.stored, st.saving = full, True
         return loads, saves
 
     def load_failed(self, req_id: str, good_tokens: int) -> None:
@@ -191,8 +195,10 @@ class SchedulerSide:
         if st is not None:
             st.stored = min(st.stored, good_tokens)
 
-    def finished(self, req_id: str) -> None:
-        self._reqs.pop(req_id, None)
+    def finished(self, req_id: str) -> bool:
+        """Forget `req_id`; True when a save was planned for it (the workers report its end)."""
+        st = self._reqs.pop(req_id, None)
+        return st is not None and st.saving
 
 
 # ------------------------------------------------------------- lookups across processes

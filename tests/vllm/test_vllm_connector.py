@@ -185,6 +185,8 @@ def test_new_vllm_process_loads_the_prefix_the_first_stored(story):
     assert x2["delta"]["scheduler"]["hit_tokens"] == 640
     assert x2["delta"]["worker"]["blocks_loaded"] == 40 and x2["delta"]["worker"]["blocks_failed"] == 0
     assert x2["delta"]["store"]["disk"]["hits"] == 40
+    # saves ran after each step; vLLM freed every finished request's pages once they were read
+    assert story.p1["requests_left"] == story.p2["requests_left"] == 0
     # both sides of both processes used one namespace
     assert story.p1["namespace"] == story.p1["worker_namespace"] == story.p2["namespace"]
 

@@ -4,6 +4,8 @@ real embedded store and caches laid out like vLLM's (checked by the oracle).
 """
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -38,7 +40,8 @@ def test_extra_config_errors_name_the_key():
     # an unknown key, then a bad value of each key, are refused with its name
     with pytest.raises(ConfigError, match="block_tokns"):
         TierKVConfig.from_extra({"url": "local:///x", "block_tokns": 16})
-    for key, bad in [("block_tokens", 0), ("block_tokens", "16"), ("url", ""), ("tenant", 3), ("load_failure", "x")]:
+    for key, bad in [("block_tokens", 0), ("block_tokens", "16"), ("url", ""), ("tenant", 3), ("load_failure", "x"),
+                     ("async_save", "yes")]:
         with pytest.raises(ConfigError, match=key):
             TierKVConfig.from_extra({key: bad})
     assert TierKVConfig.from_extra(None) == TierKVConfig()
@@ -92,8 +95,11 @@ def test_plan_loads_after_alloc_then_saves_each_new_full_block(client):
     sched.load_failed("r", 128)
     _, saves = sched.plan([("r", 704, 1)], lambda _: pages)
     assert [(t.start, t.end) for t in saves] == [(128, 704)]
-    sched.finished("r")
+    # a request with saves planned is reported as saving (vLLM waits for the workers); one without is not
+    assert sched.finished("r") is True
     assert sched.plan([("r", 705, 1)], lambda _: pages) == ([], [])
+    assert sched.matched_tokens("q", x[:100], 0, "") == 0
+    assert sched.finished("q") is False
 
 
 def test_scheduler_in_another_process_looks_up_through_the_worker(tmp_path):
@@ -243,3 +249,59 @@ def test_blocks_in_one_shared_buffer_load_the_same_bits(client, packing):
         assert worker.failed == {}
         caches.append(read_tokens([cache[k] for k in sorted(cache)], [6, 2, 4, 1], 0, 0, 512, index))
     assert same(caches[0], caches[1])
+
+
+# ------------------------------------------------------------- asynchronous saves
+
+
+class _Gate:
+    """The store behind a gate: `store` blocks until the test opens it."""
+
+    def __init__(self, client) -> None:
+        self.client, self.open = client, threading.Event()
+        self.load = client.load
+
+    def store(self, ns, hashes, payloads):
+        assert self.open.wait(30), "the test never opened the gate"
+        return self.client.store(ns, hashes, payloads)
+
+
+def test_async_saves_hold_a_finished_request_until_its_pages_are_read(client):
+    x = tokens(300, 11)
+    index = cpu_index("k_transposed", 128, NS.head_dim)
+    src = vllm_cache("cpu", 8, 128, seed=12)
+    gate = _Gate(client)
+    worker = WorkerSide(gate, NS, 128, async_save=True)
+    worker.register(src, CpuPageLayout(index))
+    # the step queues its saves and returns at once, while the store is still closed
+    worker.save([Transfer("r", x[:288], 0, 288, [5, 2, 7]), Transfer("s", x[:128], 0, 128, [1])])
+    assert worker.stats.blocks_saved == 0 and worker.stats.save_wait_s < 5
+    # vLLM finishes "r": it is not reported while its saves have not read its pages
+    assert worker.saves.finished({"r"}) == set()
+    assert not worker.saves.wait(["r"], timeout_s=0.05)
+    # the gate opens: the saves run, and "r" is reported once (a later poll does not repeat it)
+    gate.open.set()
+    assert worker.saves.wait(["r"], timeout_s=30)
+    assert worker.saves.finished(set()) == {"r"}
+    assert worker.saves.finished({"r"}) == set()
+    # what the store holds is exactly what vLLM's pages held
+    stored = client.load(NS, prefix_hashes(NS, x[:288]))
+    assert same(blocks_as_tokens(stored), read_tokens([src[k] for k in sorted(src)], [5, 2, 7], 0, 0, 288, index))
+    # closing finishes every queued save ("s" was never finished by vLLM: it stays unreported)
+    assert worker.saves.close(timeout_s=30)
+    assert worker.stats.blocks_saved == 18 + 8 and worker.saves.finished(set()) == set()
+
+
+def test_async_save_of_a_request_whose_load_failed_is_skipped_but_reported(client):
+    x = tokens(700, 13)
+    fill(client, x, 40)
+    client.delete(prefix_hashes(NS, x)[20:21])
+    worker = WorkerSide(client, NS, 128, async_save=True)
+    worker.register(vllm_cache("cpu", 16, 128, seed=8), CpuPageLayout(cpu_index("k_transposed", 128, NS.head_dim)))
+    # the load stops short, so the same step's save is dropped, not queued
+    worker.load([Transfer("r", x[:640], 0, 640, [9, 8, 7, 6, 5])])
+    worker.save([Transfer("r", x[:700], 640, 688, [5])])
+    assert worker.saves.wait(timeout_s=30) and worker.stats.blocks_saved == 0
+    # the scheduler planned a save for it, so vLLM waits for it: it is reported when finished
+    assert worker.saves.finished({"r", "never-saved"}) == {"r"}
+    worker.saves.close()

@@ -48,6 +48,8 @@ def _sides():
 def _counters(sched, worker) -> dict:
     from connectors.vllm import _as_dict
 
+    if worker.worker.saves is not None:  # the finished request's saves run in the background
+        assert worker.worker.saves.wait(timeout_s=60), "saves did not finish within 60 s"
     return {"scheduler": _as_dict(sched.scheduler.stats), "worker": _as_dict(worker.worker.stats),
             "store": sched.client.stats()}
 
@@ -96,10 +98,22 @@ def main(spec_path: str, out_dir: str) -> None:
             "seconds": time.perf_counter() - t, "delta": _delta(_counters(sched, worker), before),
         }
         kv[req["name"]] = list(worker.records)
+    result["requests_left"] = _requests_left(llm)
     result["held"] = {name: sched.client.lookup(prefix_hashes(sched.ns, ids))
                       for name, ids in spec.get("held", {}).items()}
     torch.save(kv, out / "kv.pt")
     (out / "result.json").write_text(json.dumps(result, indent=1))
+
+
+def _requests_left(llm) -> int:
+    """Finished requests vLLM still holds pages for after a few more steps: our
+    saves are done, so `get_finished` must have released every one."""
+    core = llm.llm_engine.engine_core.engine_core
+    for _ in range(5):
+        if not core.scheduler.requests:
+            break
+        core.step()
+    return len(core.scheduler.requests)
 
 
 def _main_default_processes(spec: dict, out: Path) -> None:
