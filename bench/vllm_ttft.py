@@ -96,15 +96,16 @@ def run_engine(model: str, case: dict, max_model_len: int) -> list[dict]:
     if len(case["warmup"]) > 256:  # and a short query over that long cached context, the warm requests' shape
         llm.generate([TokensPrompt(prompt_token_ids=case["warmup"] + case["warmup"][:40])], one, use_tqdm=False)
     results = []
+    ours_here = case["kind"] == "ours" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # our worker's in here
     for phase in case["phases"]:
-        if case["kind"] == "ours":
+        if ours_here:
             _finish_our_saves(llm)  # the previous phase's saves are in the store before this one asks for them
         if phase.get("before"):
             _flush_our_stores()
             _drop_page_cache(phase["before"])
         if phase.get("reset"):
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
-        loaded = _our_load_stats() if case["kind"] == "ours" else None
+        loaded = _our_load_stats() if ours_here else None
         ttft, cached = [], []
         for prompt in case["prompts"][phase["prompts"]]:
             t = time.perf_counter()
@@ -120,7 +121,7 @@ def run_engine(model: str, case: dict, max_model_len: int) -> list[dict]:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
-    if case["kind"] == "ours":
+    if ours_here:
         from connectors import vllm_clients
 
         assert not vllm_clients._clients, "the store must be closed between engines (else the next one is not new)"
@@ -264,7 +265,8 @@ def _run_child(venv_py: Path, model: str, cases: list[dict], work: Path, log) ->
     name = cases[0]["phases"][0]["name"]
     spec, out = work / f"spec-{name}.json", work / f"out-{name}.json"
     longest = max(len(p) for p in cases[0]["prompts"]["warm"] + cases[0]["prompts"]["store"])
-    spec.write_text(json.dumps({"model": model, "cases": cases, "inproc": cases[0]["kind"] != "lmcache",
+    inproc = cases[0]["kind"] != "lmcache" and not cases[0].get("default_procs")
+    spec.write_text(json.dumps({"model": model, "cases": cases, "inproc": inproc,
                                 "max_model_len": max(4096, longest + 64)}))
     cpus = sorted(os.sched_getaffinity(0))
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
@@ -279,7 +281,7 @@ def _run_child(venv_py: Path, model: str, cases: list[dict], work: Path, log) ->
 STORE_PHASES = ("ours_cold_mem", "ours_cold_disk", "example_store", "lmcache_store")  # send the "store" prompts
 
 
-def make_prompts(tokens: int, docs: int) -> dict[str, list]:
+def make_prompts(tokens: int, docs: int, rounds: int = 1) -> dict[str, list]:
     """The issue's two workloads, as token ids (random, so no tokenizer is involved):
 
     - documents of `tokens` tokens plus a question each; the warm request asks
@@ -289,7 +291,9 @@ def make_prompts(tokens: int, docs: int) -> dict[str, list]:
       whole history plus a new message, as when a conversation resumes.
 
     ``store``: what a first engine sends (and its connector saves); ``warm``:
-    what the measured engines send (a cold engine computes all of it).
+    what the measured engines send (a cold engine computes all of it);
+    ``warm1``... the same for later rounds, with new questions and a new turn 5
+    (a round's engines save theirs, so the next round cannot reuse them).
     """
     rng = random.Random(0)
 
@@ -299,44 +303,64 @@ def make_prompts(tokens: int, docs: int) -> dict[str, list]:
     documents = [ids(tokens) for _ in range(docs)]
     turns = [ids(tokens // 4) for _ in range(5)]
     history = [sum(turns[:k], []) for k in range(1, 6)]
-    return {"store": [d + ids(40) for d in documents] + history[:4],
-            "labels_store": ["doc"] * docs + ["chat"] * 4,
-            "warm": [d + ids(40) for d in documents] + history[4:],
-            "labels_warm": ["doc"] * docs + ["chat"]}
+    out = {"store": [d + ids(40) for d in documents] + history[:4], "labels_store": ["doc"] * docs + ["chat"] * 4}
+    for r in range(rounds):
+        name = "warm" if r == 0 else f"warm{r}"
+        out[name] = [d + ids(40) for d in documents] + [history[3] + (turns[4] if r == 0 else ids(tokens // 4))]
+        out["labels_" + name] = ["doc"] * docs + ["chat"]
+    return out
 
 
 def build_cases(prompts: dict[str, list], work: Path, daemon_url: str | None, lmcache: str | None,
-                quick: bool) -> list[dict]:
-    """Engines to run, each with its phases: full mode one engine (and
-    process) per phase; ``quick`` one engine per connector, whose warm phase
-    follows a reset of vLLM's prefix cache (and a page-cache drop for disks)."""
+                quick: bool, rounds: int = 1) -> list[dict]:
+    """Engines to run, each with its phases.
+
+    Full mode: one engine (and process) per phase. First every connector's
+    store engine (vLLM's process layout as configured in ``child_main``), then
+    `rounds` rounds of the warm engines, each round with prompts of its own
+    and in turned order, all in vLLM's default process layout (LMCache's
+    connector needs it, so everyone gets it), then LMCache from its disk after
+    a server restart, once per round. ``quick``: one engine per connector,
+    whose warm phase follows a reset of vLLM's prefix cache (and a page-cache
+    drop for disks)."""
     rng = random.Random(7)
-    cases: list[dict] = []
 
-    def add(kind: str, arg: str, *phases: tuple[str, str]) -> None:
-        """phases: (name, directory whose page cache is dropped first, or "")."""
-        steps = [{"name": n, "before": before, "reset": i > 0, "prompts": "store" if n in STORE_PHASES else "warm"}
-                 for i, (n, before) in enumerate(phases)]
-        for group in ([steps] if quick else [[{**st, "reset": False}] for st in steps]):
-            cases.append({"kind": kind, "arg": arg, "phases": group, "prompts": prompts,
-                          "warmup": [rng.randrange(3, 49000) for _ in range(32)]})
+    def case(kind: str, arg: str, *steps: dict, **extra) -> dict:
+        return {"kind": kind, "arg": arg, "phases": list(steps), "prompts": prompts,
+                "warmup": [rng.randrange(3, 49000) for _ in range(32)], **extra}
 
-    add("none", "", ("cold", ""))
-    if daemon_url:
-        add("ours", daemon_url, ("ours_cold_mem", ""), ("ours_warm_mem", ""))
+    def step(name: str, before: str = "", reset: bool = False, round_: int = 0) -> dict:
+        warm = "warm" if round_ == 0 else f"warm{round_}"
+        return {"name": name, "before": before, "reset": reset, "prompts": "store" if name in STORE_PHASES else warm}
+
     # quick: a 1 MiB CPU tier, so the warm phase in the same engine reads the disk tier
-    add("ours", f"local://{work}/ours" + ("?cpu=1MiB" if quick else ""),
-        ("ours_cold_disk", ""), ("ours_warm_disk", str(work / "ours")))
-    add("example", str(work / "example"), ("example_store", ""), ("example_warm_disk", str(work / "example")))
+    conns = [("ours", daemon_url, "ours_cold_mem", "ours_warm_mem", "")] if daemon_url else []
+    conns += [("ours", f"local://{work}/ours" + ("?cpu=1MiB" if quick else ""), "ours_cold_disk", "ours_warm_disk",
+               str(work / "ours")),
+              ("example", str(work / "example"), "example_store", "example_warm_disk", str(work / "example"))]
+    conns += [("lmcache", lmcache, "lmcache_store", "lmcache_warm_mem", "")] if lmcache else []
+    cases = [case("none", "", step("cold"))]
+    if quick:
+        return cases + [case(k, arg, step(store), step(warm, before, reset=True)) for k, arg, store, warm, before in conns]
+    cases += [case(k, arg, step(store)) for k, arg, store, _, _ in conns]
+    pairs = sorted(conns, key=lambda c: ("disk" in c[3], c[0] != "ours"))  # ours next to the peer it is held to
+    for r in range(rounds):
+        for k, arg, _, warm, before in (pairs if r % 2 == 0 else pairs[::-1]):
+            cases.append(case(k, arg, step(warm, before, round_=r), default_procs=True))
     if lmcache:
-        add("lmcache", lmcache, ("lmcache_store", ""), ("lmcache_warm_mem", ""))
-        if not quick:
-            add("lmcache", lmcache, ("lmcache_warm_disk", str(work / "lmcache")))
+        cases += [case("lmcache", lmcache, step("lmcache_warm_disk", str(work / "lmcache"), round_=r))
+                  for r in range(rounds)]
     return cases
 
 
 def summarize(results: list[dict]) -> dict:
-    by = {r["name"]: r for r in results}
+    by: dict[str, dict] = {}
+    for r in results:  # a case run in several rounds: its requests pooled
+        if r["name"] in by:
+            for k in ("ttft", "cached", "labels"):
+                by[r["name"]][k] = by[r["name"]][k] + r[k]
+        else:
+            by[r["name"]] = dict(r)
 
     def of(r: dict, label: str) -> list[float]:
         return [t for t, lab in zip(r["ttft"], r["labels"]) if lab == label]
@@ -347,13 +371,13 @@ def summarize(results: list[dict]) -> dict:
     doc = {n: statistics.median(of(r, "doc")) for n, r in by.items()}
     print(f"{'case':<18} {'init s':>6} {'TTFT s':>7} {'docs':>7} {'chat':>7} {'our save s':>10} {'in step':>7}  "
           "cached tokens")
+    # a store phase's figure is its last turn; a warm phase's the mean over its rounds' resumes
+    chat = {n: of(r, "chat")[-1] if n in STORE_PHASES else statistics.fmean(of(r, "chat")) for n, r in by.items()}
     for n, r in by.items():
-        chat = of(r, "chat")
         save = f"{r['save_s']:10.3f} {r['save_wait_s']:7.3f}" if "save_s" in r else f"{'':>18}"
-        print(f"{n:<18} {r['init_s']:6.1f} {med[n]:7.3f} {doc[n]:7.3f} {chat[-1]:7.3f} {save}  {r['cached']}")
+        print(f"{n:<18} {r['init_s']:6.1f} {med[n]:7.3f} {doc[n]:7.3f} {chat[n]:7.3f} {save}  {r['cached']}")
     # warm figures: the mean over the workload (its documents and the chat resume), as a user waits for all of it
     mean = {n: statistics.fmean(r["ttft"]) for n, r in by.items()}
-    chat = {n: of(r, "chat")[-1] for n, r in by.items()}
     mine = {"example": "ours_warm_disk", "lmcache": "ours_warm_mem"}
     theirs = {"example": "example_warm_disk", "lmcache": "lmcache_warm_mem"}
     ours_mem = mean.get("ours_warm_mem", mean["ours_warm_disk"])
@@ -364,6 +388,9 @@ def summarize(results: list[dict]) -> dict:
         out[f"ours_vs_{peer}_warm"] = mean[a] / mean[b] if present else None
         out[f"ours_vs_{peer}_warm_docs"] = doc[a] / doc[b] if present else None
         out[f"ours_vs_{peer}_warm_chat"] = chat[a] / chat[b] if present else None
+        rounds = zip([r for r in results if r["name"] == a], [r for r in results if r["name"] == b])
+        out[f"ours_vs_{peer}_warm_rounds"] = [round(statistics.fmean(x["ttft"]) / statistics.fmean(y["ttft"]), 3)
+                                              for x, y in rounds]
     out["cold_overhead"] = doc.get("ours_cold_mem", doc["ours_cold_disk"]) / doc["cold"] - 1.0
     out["warm_speedup_vs_cold"] = mean["cold"] / ours_mem
     # the part of the cold requests' time a step waited for our saves (less noisy than two TTFTs' ratio),
@@ -396,6 +423,8 @@ def main() -> int:
                     "(see the module docstring)")
     ap.add_argument("--lmcache", action="store_true", help="with --quick: run the LMCache case too (~40 s more)")
     ap.add_argument("--tokens", type=int, default=2000, help="prompt length (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=2, help="full mode: rounds of the warm engines (default: "
+                    "%(default)s)")
     ap.add_argument("--sync-save", action="store_true", help="our connector saves within the step "
                     "(async_save=false), to compare")
     ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -411,7 +440,8 @@ def main() -> int:
     from engine.models import resolve_model
 
     model = str(resolve_model("smollm2"))
-    prompts = make_prompts(args.tokens, 1 if args.quick else 5)
+    rounds = 1 if args.quick else args.rounds
+    prompts = make_prompts(args.tokens, 1 if args.quick else 5, rounds)
     work = Path(tempfile.mkdtemp(prefix="tierkv-vllm-ttft-"))
     log = open(work / "log.txt", "w")
     servers = Servers(work, venv_py, log, L1_GIB[args.quick])
@@ -426,7 +456,7 @@ def main() -> int:
             lmcache = servers.start_lmcache() if args.lmcache or not args.quick else None
         except (RuntimeError, OSError) as e:
             print(f"LMCache server unavailable ({e}): no LMCache cases", file=sys.stderr)
-        cases = build_cases(prompts, work, daemon_url, lmcache, args.quick)
+        cases = build_cases(prompts, work, daemon_url, lmcache, args.quick, rounds)
         for case in cases:
             case["sync_save"] = args.sync_save
         if args.quick:  # one process for our and vLLM's connectors, one for LMCache's (see child_main)
@@ -445,7 +475,7 @@ def main() -> int:
     out = summarize(results)
     if "lmcache_warm_mem" not in out["ttft_s"]:
         out["lmcache"] = "not run: --quick without --lmcache" if args.quick and not args.lmcache else "unavailable"
-    out.update(quick=args.quick, sync_save=args.sync_save, prompt_tokens=args.tokens, wall_s=round(time.perf_counter() - t_start, 1),
+    out.update(quick=args.quick, rounds=rounds, sync_save=args.sync_save, prompt_tokens=args.tokens, wall_s=round(time.perf_counter() - t_start, 1),
                log=str(work / "log.txt"))
     print(json.dumps(out))
     for stored in ("ours", "example", "daemon", "lmcache"):  # keep the log, not the ~50 MB stores
