@@ -16,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+SAVE_MODES = {"auto": "auto", "async": True, "sync": False}  # --save -> our connector's async_save
 
-def _engine_config(kind: str, arg: str, sync_save: bool = False):
+def _engine_config(kind: str, arg: str, save: str = "auto"):
     from vllm.config import KVTransferConfig
 
     if kind == "none":
@@ -25,7 +26,7 @@ def _engine_config(kind: str, arg: str, sync_save: bool = False):
     if kind == "ours":
         return KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="connectors.vllm",
                                 kv_role="kv_both",
-                                kv_connector_extra_config={"url": arg, "async_save": not sync_save})
+                                kv_connector_extra_config={"url": arg, "async_save": SAVE_MODES[save]})
     if kind == "example":
         return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                 kv_connector_extra_config={"shared_storage_path": arg})
@@ -46,7 +47,7 @@ def run_engine(model: str, case: dict, max_model_len: int) -> list[dict]:
 
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, seed=0, max_model_len=max_model_len,
-              kv_transfer_config=_engine_config(case["kind"], case.get("arg", ""), case.get("sync_save", False)))
+              kv_transfer_config=_engine_config(case["kind"], case.get("arg", ""), case.get("save", "auto")))
     init = time.perf_counter() - t0
     one = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate([TokensPrompt(prompt_token_ids=case["warmup"])], one, use_tqdm=False)

@@ -285,8 +285,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2000, help="prompt length (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="full mode: rounds of the warm engines (default: "
                     "%(default)s)")
-    ap.add_argument("--sync-save", action="store_true", help="our connector saves within the step "
-                    "(async_save=false), to compare")
+    ap.add_argument("--save", choices=("auto", "async", "sync"), default="auto", help="our connector's "
+                    "async_save (auto: in the step on CPU, in the background on GPU; default: %(default)s)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     venv = Path(os.environ.get("TIERKV_VLLM_VENV", ".venv-vllm"))
@@ -314,7 +314,7 @@ def main() -> int:
             print(f"LMCache server unavailable ({e}): no LMCache cases", file=sys.stderr)
         cases = build_cases(prompts, work, daemon_url, lmcache, args.quick, rounds)
         for case in cases:
-            case["sync_save"] = args.sync_save
+            case["save"] = args.save
         if args.quick:  # one process for our and vLLM's connectors, one for LMCache's (see child_main)
             for group in ([c for c in cases if c["kind"] != "lmcache"], [c for c in cases if c["kind"] == "lmcache"]):
                 results += _run_child(venv_py, model, group, work, log) if group else []
@@ -331,7 +331,7 @@ def main() -> int:
     out = summarize(results)
     if "lmcache_warm_mem" not in out["ttft_s"]:
         out["lmcache"] = "not run: --quick without --lmcache" if args.quick and not args.lmcache else "unavailable"
-    out.update(quick=args.quick, rounds=rounds, sync_save=args.sync_save, prompt_tokens=args.tokens, wall_s=round(time.perf_counter() - t_start, 1),
+    out.update(quick=args.quick, rounds=rounds, save=args.save, prompt_tokens=args.tokens, wall_s=round(time.perf_counter() - t_start, 1),
                log=str(work / "log.txt"))
     print(json.dumps(out))
     for stored in ("ours", "example", "daemon", "lmcache"):  # keep the log, not the ~50 MB stores

@@ -41,7 +41,7 @@ class TierKVConfig:
     block_tokens: int = 16
     tenant: str = ""
     load_failure: str = "recompute"
-    async_save: bool = True
+    async_save: bool | str = "auto"  # auto: asynchronous when vLLM's KV cache is on a GPU
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -51,8 +51,9 @@ class TierKVConfig:
             raise ConfigError(f"kv_connector_extra_config.block_tokens must be a positive int, got {bt!r}")
         if not isinstance(self.tenant, str):
             raise ConfigError(f"kv_connector_extra_config.tenant must be a string, got {self.tenant!r}")
-        if not isinstance(self.async_save, bool):
-            raise ConfigError(f"kv_connector_extra_config.async_save must be true or false, got {self.async_save!r}")
+        if not isinstance(self.async_save, bool) and self.async_save != "auto":
+            raise ConfigError(f"kv_connector_extra_config.async_save must be true, false or \"auto\", "
+                              f"got {self.async_save!r}")
         if self.load_failure not in _LOAD_FAILURE:
             raise ConfigError(f"kv_connector_extra_config.load_failure must be one of {_LOAD_FAILURE}, "
                               f"got {self.load_failure!r}")

@@ -90,8 +90,10 @@ class WorkerSide:
         for t in transfers:
             t0 = time.perf_counter()
             good = self._load_one(t)
-            self.stats.load_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.stats.load_s += dt
             self.stats.loads += 1
+            log.info("tierkv: loaded %d of %d tokens in %.1f ms", good - t.start, t.end - t.start, dt * 1e3)
             if good < t.end:
                 first_bad = (good - t.start) // self.page
                 self._invalid_pages.update(t.page_ids[first_bad:])

@@ -152,7 +152,7 @@ def story(vllm_python, tmp_path_factory) -> Story:
     # 1. P1 stores X and Y; X again is the same-split control; a bad extra config fails startup first
     p1, kv1 = run_vllm(vllm_python, root / "p1", {
         "model": str(model), "url": url, "requests": reqs(("x", X), ("x_ctrl", X), ("y", Y)),
-        "bad_extra": {"url": url, "block_tokns": 16}})
+        "bad_extra": {"url": url, "block_tokns": 16}, "extra": {"async_save": True}})
     ns = ns_from_canonical(p1["namespace"])
     # 2. one of Y's blocks rots on disk
     h = prefix_hashes(ns, Y)[Y_BAD_BLOCK]
@@ -164,7 +164,8 @@ def story(vllm_python, tmp_path_factory) -> Story:
     eng = run_engine(model, root, ns)
     # 4. a NEW vLLM process loads X, recovers Y, loads Z
     p2, kv2 = run_vllm(vllm_python, root / "p2", {
-        "model": str(model), "url": url, "requests": reqs(("x", X), ("y", Y), ("z", Z)), "held": {"y": Y}})
+        "model": str(model), "url": url, "requests": reqs(("x", X), ("y", Y), ("z", Z)), "held": {"y": Y},
+        "extra": {"async_save": True}})
     # 5. vLLM as deployed by default (engine core and CPU worker in processes of their own) loads X too
     p3, _ = run_vllm(vllm_python, root / "p3", {"model": str(model), "url": url, "requests": reqs(("x", X)),
                                                 "inproc": False})
@@ -185,7 +186,8 @@ def test_new_vllm_process_loads_the_prefix_the_first_stored(story):
     assert x2["delta"]["scheduler"]["hit_tokens"] == 640
     assert x2["delta"]["worker"]["blocks_loaded"] == 40 and x2["delta"]["worker"]["blocks_failed"] == 0
     assert x2["delta"]["store"]["disk"]["hits"] == 40
-    # saves ran after each step; vLLM freed every finished request's pages once they were read
+    # saves ran after each step (async_save=true; P3 saves in the step, the default on CPU);
+    # vLLM freed every finished request's pages once they were read
     assert story.p1["requests_left"] == story.p2["requests_left"] == 0
     # both sides of both processes used one namespace
     assert story.p1["namespace"] == story.p1["worker_namespace"] == story.p2["namespace"]

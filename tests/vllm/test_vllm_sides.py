@@ -41,7 +41,7 @@ def test_extra_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="block_tokns"):
         TierKVConfig.from_extra({"url": "local:///x", "block_tokns": 16})
     for key, bad in [("block_tokens", 0), ("block_tokens", "16"), ("url", ""), ("tenant", 3), ("load_failure", "x"),
-                     ("async_save", "yes")]:
+                     ("async_save", "yes"), ("async_save", 1)]:
         with pytest.raises(ConfigError, match=key):
             TierKVConfig.from_extra({key: bad})
     assert TierKVConfig.from_extra(None) == TierKVConfig()

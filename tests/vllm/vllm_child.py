@@ -5,7 +5,8 @@
 SPEC keys: ``model`` (dir), ``url``, ``dtype``, ``requests`` (list of
 ``{"name", "prompt": [ids], "max_tokens"}``), optional ``bad_extra`` (an extra
 config that must fail startup first), optional ``held`` (``{name: [ids]}``:
-report how many blocks of these prompts the store holds at the end).
+report how many blocks of these prompts the store holds at the end), optional
+``extra`` (more ``kv_connector_extra_config`` keys).
 
 Writes ``OUT_DIR/result.json`` (per request: output ids, num_cached_tokens,
 deltas of the connector's and the store's counters; the namespace) and
@@ -81,7 +82,7 @@ def main(spec_path: str, out_dir: str) -> None:
         except Exception as e:  # the startup failure under test
             result["bad_config_error"] = f"{type(e).__name__}: {e}"
     t0 = time.perf_counter()
-    llm = _make_llm(spec, {"url": spec["url"]})
+    llm = _make_llm(spec, {"url": spec["url"], **spec.get("extra", {})})
     result["init_s"] = time.perf_counter() - t0
     sched, worker = _sides()
     result["namespace"] = sched.ns.canonical().decode()
