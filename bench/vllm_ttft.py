@@ -177,7 +177,7 @@ def build_cases(prompts: dict[str, list], work: Path, daemon_url: str | None, lm
 
     Full mode: one engine (and process) per phase. First every connector's
     store engine (vLLM's process layout as configured in ``child_main``), then
-    `rounds` rounds of the warm engines, each round with prompts of its own
+    a second cold engine (no connector), then `rounds` rounds of the warm engines, each round with prompts of its own
     and in turned order, all in vLLM's default process layout (LMCache's
     connector needs it, so everyone gets it), then LMCache from its disk after
     a server restart, once per round. ``quick``: one engine per connector,
@@ -203,6 +203,9 @@ def build_cases(prompts: dict[str, list], work: Path, daemon_url: str | None, lm
     if quick:
         return cases + [case(k, arg, step(store), step(warm, before, reset=True)) for k, arg, store, warm, before in conns]
     cases += [case(k, arg, step(store)) for k, arg, store, _, _ in conns]
+    # vLLM alone again after the stores: the cold figure spans the same stretch of machine time they do
+    if rounds > 1:
+        cases.append(case("none", "", step("cold", round_=1)))
     pairs = sorted(conns, key=lambda c: ("disk" in c[3], c[0] != "ours"))  # ours next to the peer it is held to
     for r in range(rounds):
         for k, arg, _, warm, before in (pairs if r % 2 == 0 else pairs[::-1]):
