@@ -16,12 +16,14 @@ SmolLM2-135M bf16, a ~2,000-token prompt (random ids), greedy, 1 token:
 Every engine gets a warm-up request first (a process's first one as long
 as a document, then the same plus a question, which vLLM's own prefix cache
 serves: they build the CPU kernels for a long prefill and for a short query
-over a long cached context). Full mode starts
-a new vLLM process for every case (warm cases: a new process, as after a
-restart), once the servers are idle (their background writes to disk done),
-and sends 5 documents and the chat. ``--quick`` runs one engine per
-connector, with one document and the chat: the warm request follows a reset of
-vLLM's own prefix cache in the same engine, so it can only hit the
+over a long cached context). Full mode starts a new vLLM process for every
+case, once the servers are idle (their background writes to disk done), and
+sends 5 documents and the chat: the store engines, a second cold engine,
+then ``--rounds`` rounds (default 2) of the warm engines, each round with
+new questions and a new turn 5, all in vLLM's default process layout (as
+LMCache's connector needs). ``--quick`` runs one engine per connector in one
+process, with one document and the chat: the warm request follows a reset
+of vLLM's own prefix cache in the same engine, so it can only hit the
 connector (our disk engine gets a 1 MiB CPU tier, so its warm request reads
 the disk tier); LMCache is skipped unless ``--lmcache`` is given, because
 its multi-process engine alone takes 25-30 s to start here.
@@ -29,15 +31,18 @@ its multi-process engine alone takes 25-30 s to start here.
 Ratios (the issue's keys): ``ours_vs_example_warm`` = ours / Example, both
 warm from disk; ``ours_vs_lmcache_warm`` = ours / LMCache, both warm from
 memory (lower is better, goal <= 1), each on the mean TTFT over the warm
-workload (documents and chat resume; ``*_docs`` and ``*_chat`` split it); ``cold_overhead`` = ours cold (daemon) /
+workload (documents and chat resume; ``*_docs`` and ``*_chat`` split it,
+``*_rounds`` gives it per round); ``cold_overhead`` = ours cold (daemon) /
 cold - 1 (goal <= 0.05; ``cold_save_fraction``, the share of those cold
-requests' time a step waited for our saves, is the same question without the
-noise of two separate runs; ``cold_save_background_fraction`` is the saving
-our connector did on its save thread meanwhile); ``warm_speedup_vs_cold`` = cold / ours warm
-(memory). Our connector's load and save times and its load bandwidth against
-a memcpy in the same process are printed too. Last line: one JSON object.
+requests' time a step waited for our saves, is the same question without
+the noise of two separate runs; ``cold_save_background_fraction`` is the
+saving our connector did meanwhile, in or beside the step, see ``--save``);
+``warm_speedup_vs_cold`` = cold / ours warm (memory). Where our connector
+runs in the bench's process (cold engines, ``--quick``), its load and save
+times and its load bandwidth against a memcpy are printed too. Last line:
+one JSON object.
 
-    python bench/vllm_ttft.py [--quick [--lmcache]] [--tokens N]
+    python bench/vllm_ttft.py [--quick [--lmcache]] [--tokens N] [--rounds N] [--save auto|async|sync]
 """
 from __future__ import annotations
 
