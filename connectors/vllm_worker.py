@@ -6,13 +6,14 @@ and flash-attention layouts) and the `Transfer`s the scheduler side planned.
 
 Loads run before the forward that needs them; a block that is missing or
 fails its checksum ends the loaded prefix, and the pages from there on are
-reported so vLLM recomputes them. Saves are queued after the forward and
-run on a background thread (`SaveQueue`): one gather from the pages, then
+reported so vLLM recomputes them. A save is one gather from the pages, then
 `client.store`, which copies into the store's host tier; lower tiers are
-written in the store's own background writers. A finished request's pages
-stay with us until its saves have read them (vLLM's delayed free:
-`request_finished` returns True, `get_finished` reports the request), and a
-preempted request's saves finish before its pages can be reused.
+written by the store's own background writers, so no step waits on disk.
+Saves run after the forward, in the step (the default on CPU), or queued to
+a background thread (`SaveQueue`, the default on GPU): then a finished
+request's pages stay with us until its saves have read them (vLLM's delayed
+free: `request_finished` returns True, `get_finished` reports the request),
+and a preempted request's saves finish before its pages can be reused.
 """
 from __future__ import annotations
 
