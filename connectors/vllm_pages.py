@@ -14,7 +14,6 @@ backend. `connectors/vllm_worker.py` moves those blocks to and from the store.
 from __future__ import annotations
 
 import copy
-
 import re
 
 import torch

@@ -231,10 +231,6 @@ class SaveQueue:
                 del self._pending[r]
         return done
 
-    def busy(self, req_ids: Iterable[str] | None = None) -> bool:
-        with self._cv:
-            return self._busy(req_ids)
-
     def _busy(self, req_ids: Iterable[str] | None) -> bool:
         ids = self._pending if req_ids is None else req_ids
         return any(self._pending.get(r, 0) for r in ids)
