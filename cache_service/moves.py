@@ -28,10 +28,11 @@ class BlockMoves:
     _below_hits: OrderedDict[BlockHash, int]
     _deferred: list[OrderedDict[BlockHash, None]]
 
-    def _put(self, i: int, items: Sequence[Item], owned: bool = True) -> set[BlockHash]:
+    def _put(self, i: int, items: Sequence[Item], owned: bool = True, retry: bool = False) -> set[BlockHash]:
         """Put items into tier i, evicting as needed; victims and items that
         cannot fit go down (copied first unless `owned`: the caller's buffers
-        may be reused). Returns the hashes now held by tier i."""
+        may be reused), or are deferred while tier i is down (always when
+        `retry`: they were deferred before). Returns the hashes now held by tier i."""
         tier, pol = self.tiers[i], self.policies[i]
         victims: list[Item] = []
         with self._locks[i]:
@@ -45,7 +46,7 @@ class BlockMoves:
         self._count(i, evictions=len(victims))
         self._demote(i, [v for v in victims if v[1] is not None], "demoted")
         bypassed = [it for it, good in zip(todo, ok) if not good]
-        if i and bypassed and not tier.available():  # down for now: written once it is back
+        if i and bypassed and (retry or not tier.available()):  # down for now: written once it is back
             self._defer(i, [h for h, _ in bypassed])
             bypassed = []
         if not owned and i + 1 < len(self.tiers):
@@ -67,7 +68,8 @@ class BlockMoves:
     def _retry_deferred(self, i: int, batch: int = 64, most: int = 4096) -> None:
         """Writer i's tick: once tier i is available again, write the blocks it
         refused while down, read back from the tiers above (a block that left
-        them meanwhile is dropped and counted)."""
+        them meanwhile is dropped and counted; one refused again is deferred
+        again, and the tick ends)."""
         done = 0
         while done < most and self.tiers[i].available():
             with self._meta:
@@ -76,7 +78,8 @@ class BlockMoves:
                 return
             items = self._read_above(i, hs)
             self._count(i, dropped=len(hs) - len(items))
-            self._put(i, items)
+            if len(self._put(i, items, retry=True)) < len(items):
+                return  # refused again (a service still coming back, say): kept for a later tick
             done += len(hs)
 
     def _read_above(self, i: int, hashes: Sequence[BlockHash]) -> list[Item]:

@@ -15,15 +15,21 @@ from tiers.disk import DiskTier
 
 class FlakyDisk(DiskTier):
     """A real disk tier that refuses every write while `down` (as S3 does
-    during an outage: put_many returns False and available() says why)."""
+    during an outage: put_many returns False and available() says why), and
+    then `refuse` more writes while saying it is available (as a gateway
+    does while it comes back: errors that do not look like an outage)."""
 
     down = False
+    refuse = 0
 
     def available(self) -> bool:
         return not self.down
 
     def put_many(self, hashes, objs):
         if self.down:
+            return [False] * len(hashes)
+        if self.refuse:
+            self.refuse -= 1
             return [False] * len(hashes)
         return super().put_many(hashes, objs)
 
@@ -74,3 +80,17 @@ def test_a_block_gone_from_the_tiers_above_is_counted_dropped(tmp_path):
     assert lower.contains_many(hs[:2]) == [False, False]
     store.close()
 
+
+
+def test_a_deferred_write_refused_again_is_kept_for_a_later_tick(tmp_path):
+    store, lower = _store(tmp_path)
+    hs = hashes(5)
+    lower.down = True
+    store.store(NS, hs, [payload_for(h) for h in hs])
+    assert store.flush(10)
+    # back, but its first two write attempts still fail without it looking down
+    lower.refuse, lower.down = 2, False
+    # the refused retries are kept: a later tick writes every block, and none is counted dropped
+    assert _until(lambda: lower.contains_many(hs) == [True] * 5)
+    assert lower.refuse == 0 and store.stats()["disk"]["dropped"] == 0
+    store.close()
