@@ -50,13 +50,17 @@ def _until(check, limit_s: float = 20.0) -> bool:
     return True
 
 
+def _store_while_down(store: TieredStore, lower: FlakyDisk, hs) -> None:
+    lower.down = True
+    store.store(NS, hs, [payload_for(h) for h in hs])
+    assert store.flush(10)
+
+
 def test_blocks_refused_while_down_are_written_once_back(tmp_path):
     store, lower = _store(tmp_path)
     hs = hashes(10)
     # the lower tier is down: stores succeed (the top tier has them), the lower writes are deferred
-    lower.down = True
-    store.store(NS, hs, [payload_for(h) for h in hs])
-    assert store.flush(10)
+    _store_while_down(store, lower, hs)
     assert lower.contains_many(hs) == [False] * 10
     assert store.stats()["disk"]["deferred"] == 10 and store.stats()["disk"]["dropped"] == 0
     # it comes back: within a writer tick or two, every block is there, byte-exact
@@ -69,9 +73,7 @@ def test_blocks_refused_while_down_are_written_once_back(tmp_path):
 def test_a_block_gone_from_the_tiers_above_is_counted_dropped(tmp_path):
     store, lower = _store(tmp_path, cpu_blocks=64)
     hs = hashes(6)
-    lower.down = True
-    store.store(NS, hs, [payload_for(h) for h in hs])
-    assert store.flush(10)
+    _store_while_down(store, lower, hs)
     # two blocks leave the top tier while the lower one is down: nothing is left to write them from
     store.tiers[0].delete_many(hs[:2])
     lower.down = False
@@ -81,13 +83,10 @@ def test_a_block_gone_from_the_tiers_above_is_counted_dropped(tmp_path):
     store.close()
 
 
-
 def test_a_deferred_write_refused_again_is_kept_for_a_later_tick(tmp_path):
     store, lower = _store(tmp_path)
     hs = hashes(5)
-    lower.down = True
-    store.store(NS, hs, [payload_for(h) for h in hs])
-    assert store.flush(10)
+    _store_while_down(store, lower, hs)
     # back, but its first two write attempts still fail without it looking down
     lower.refuse, lower.down = 2, False
     # the refused retries are kept: a later tick writes every block, and none is counted dropped
