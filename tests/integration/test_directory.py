@@ -111,6 +111,8 @@ def test_nodes_register_heartbeat_and_leave(target):
         # A registers with its endpoint; a reader (no node of its own) sees it.
         wait_until(lambda: "a" in reader.nodes(fresh=True))
         assert reader.nodes()["a"]["endpoint"] == "grpc://10.0.0.1:7600"
+        # (A counts its registration just after the write the reader saw.)
+        wait_until(lambda: a.stats.registrations >= 1)
         assert a.stats.registrations == 1
         # Heartbeats keep the record alive past its TTL.
         time.sleep(3)
