@@ -23,12 +23,18 @@ from __future__ import annotations
 
 import struct
 from functools import lru_cache
+from typing import Sequence
 
 import torch
 import xxhash
 
 from cache_service.keys import KV_DTYPES, Namespace
 from tiers.types import BlockHash, CorruptBlockError
+
+try:  # one call for a batch of copies, without the GIL (setup.py builds it where a C compiler is)
+    from cache_service._fastcopy import copy_many
+except ImportError:  # pragma: no cover - torch copies instead
+    copy_many = None
 
 MAGIC = b"TKVB"
 FORMAT_VERSION = 1
@@ -54,6 +60,11 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 def checksum(payload: torch.Tensor) -> int:
     """xxh3_64 of a contiguous CPU tensor's bytes."""
     return xxhash.xxh3_64_intdigest(_as_bytes(payload))
+
+
+def checksums(payloads: Sequence[torch.Tensor]) -> list[int]:
+    """`checksum` of each tensor (xxhash lets other threads run meanwhile)."""
+    return [xxhash.xxh3_64_intdigest(_as_bytes(p)) for p in payloads]
 
 
 def header(ns: Namespace, h: BlockHash, csum: int) -> bytes:
@@ -85,40 +96,65 @@ def encode_into(out: torch.Tensor, ns: Namespace, h: BlockHash, payload: torch.T
     return obj
 
 
-@lru_cache(maxsize=256)
-def _fixed_parts(ns: Namespace) -> tuple[bytes, bytes]:
-    """Header bytes [0, 24) and [40, 72): the same in every object under `ns`."""
-    raw = header(ns, BlockHash(bytes(16)), 0)
-    return raw[:24], raw[40:72]
-
-
-_PADDING = bytes(HEADER_SIZE - _FIXED.size - _TAIL.size)
-
-
-def claimed_checksum(obj: torch.Tensor, ns: Namespace, h: BlockHash, raw: bytes | None = None) -> int | None:
+def claimed_checksum(obj: torch.Tensor, ns: Namespace, h: BlockHash) -> int | None:
     """The payload checksum in `obj`'s header if that header (and the size) is
     exactly what an object of block `h` under `ns` has, else None: `decode`'s
     header checks as a few bytes comparisons, for the hot paths. Callers run
-    `decode` for the diagnosis when it fails. `raw`: the header's bytes, when
-    the caller read many headers at once (`headers`)."""
+    `decode` for the diagnosis when it fails."""
     if obj.dtype != torch.uint8 or obj.dim() != 1 or obj.numel() != object_size(ns) or obj.device.type != "cpu":
         return None
-    if raw is None:
-        raw = obj[:HEADER_SIZE].numpy().tobytes()
-    head, layout = _fixed_parts(ns)
-    if raw[:24] != head or raw[24:40] != h or raw[40:72] != layout or raw[_FIXED.size + _TAIL.size:] != _PADDING:
-        return None
-    if _TAIL.unpack_from(raw, _FIXED.size)[0] != xxhash.xxh3_64_intdigest(raw[: _FIXED.size]):
-        return None
-    return int.from_bytes(raw[72:80], "little")
+    return claimed_checksums(obj.view(1, -1), ns, [h])[0]
 
 
-def headers(rows: torch.Tensor) -> list[bytes]:
-    """The header bytes of each row of ``[n, object_size]`` CPU uint8 objects,
-    read in one pass (for `claimed_checksum`'s `raw`)."""
-    assert rows.dim() == 2 and rows.dtype == torch.uint8 and rows.shape[1] >= HEADER_SIZE
-    raw = rows[:, :HEADER_SIZE].numpy().tobytes()
-    return [raw[k: k + HEADER_SIZE] for k in range(0, len(raw), HEADER_SIZE)]
+def claimed_checksums(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash]) -> list[int | None]:
+    """`claimed_checksum` of each row of ``[n, object_size]`` uint8 CPU
+    objects (row i as block hashes[i]): the fixed header bytes compared for
+    all rows at once, then each row's header checksum."""
+    assert rows.dim() == 2 and rows.dtype == torch.uint8 and rows.shape[0] == len(hashes)
+    assert rows.shape[1] == object_size(ns) and rows.device.type == "cpu"
+    if not hashes:
+        return []
+    heads = rows[:, :HEADER_SIZE]
+    want = _template(ns).expand(len(hashes), HEADER_SIZE).clone()
+    want[:, 24:40] = torch.frombuffer(bytearray(b"".join(hashes)), dtype=torch.uint8).view(-1, 16)
+    fixed = torch.cat([heads[:, :72], heads[:, _FIXED.size + _TAIL.size:]], 1)
+    same = (fixed == torch.cat([want[:, :72], want[:, _FIXED.size + _TAIL.size:]], 1)).all(1).tolist()
+    raw = heads[:, :_FIXED.size + _TAIL.size].numpy().tobytes()
+    out: list[int | None] = []
+    for k, ok in zip(range(0, len(raw), _FIXED.size + _TAIL.size), same):
+        fixed_bytes = raw[k: k + _FIXED.size]
+        ok = ok and _TAIL.unpack_from(raw, k + _FIXED.size)[0] == xxhash.xxh3_64_intdigest(fixed_bytes)
+        out.append(int.from_bytes(fixed_bytes[72:80], "little") if ok else None)
+    return out
+
+
+@lru_cache(maxsize=256)
+def _template(ns: Namespace) -> torch.Tensor:
+    """A header of `ns` as a [1, HEADER_SIZE] tensor: the bytes every object under ns shares
+    (all but the block hash, the payload checksum and the header checksum)."""
+    return torch.frombuffer(bytearray(header(ns, BlockHash(bytes(16)), 0)), dtype=torch.uint8).view(1, -1)
+
+
+def encode_rows(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash],
+                payloads: Sequence[torch.Tensor]) -> None:
+    """`encode_into` for many blocks: row i of ``[n, object_size]`` uint8 CPU
+    `rows` becomes block i's object (the payload copies in one call)."""
+    assert rows.dim() == 2 and rows.dtype == torch.uint8 and tuple(rows.shape) == (len(hashes), object_size(ns))
+    flats = [p.detach().cpu().contiguous().view(-1).view(torch.uint8) for p in payloads]
+    for f in flats:
+        if f.numel() != ns.payload_bytes:
+            raise ValueError(f"payload has {f.numel()} bytes, namespace expects {ns.payload_bytes}")
+    if not flats:
+        return
+    dsts = list(rows[:, HEADER_SIZE:].unbind(0))
+    if copy_many is not None:
+        copy_many([d.numpy() for d in dsts], [f.numpy() for f in flats])
+    else:
+        for d, f in zip(dsts, flats):
+            d.copy_(f)
+    sums = checksums(dsts)
+    heads = b"".join(header(ns, h, c) for h, c in zip(hashes, sums))
+    rows[:, :HEADER_SIZE].copy_(torch.frombuffer(bytearray(heads), dtype=torch.uint8).view(len(hashes), HEADER_SIZE))
 
 
 def encode(ns: Namespace, h: BlockHash, payload: torch.Tensor) -> torch.Tensor:

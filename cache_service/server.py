@@ -24,7 +24,7 @@ from cache_service.framing import (WIRE_VERSION, FramingError, ObjectReader, Sto
                                    object_pieces)
 from cache_service.keys import Namespace, prefix_hashes
 from cache_service.metrics import Metrics
-from cache_service.objects import HEADER_SIZE, checksum, claimed_checksum, decode, object_size
+from cache_service.objects import HEADER_SIZE, checksums, claimed_checksums, decode, object_size
 from cache_service.objects import header as header_bytes
 from cache_service.rpc import rpc
 from cache_service.sessions import SessionStore
@@ -226,13 +226,12 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         S, total = object_size(ns), self._check_request_bytes(len(keys), ns)
         region = self.attachments.get(request.attachment, tenant).region(request.offset, len(keys) * S)
         sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, self.s.max_blocks)
-        objs = region.view(len(keys), S).unbind(0)
+        rows = region.view(len(keys), S)
         try:  # the client encoded the objects in place: check them in full, then one copy into the pool
-            for obj, h, key in zip(objs, sent, keys):
-                _adopt(obj, sent_ns, h, ns, key)
+            _adopt(rows, sent_ns, sent, ns, keys)
         except CorruptBlockError as e:
             raise invalid(f"StoreShm: bad block object in shared memory ({e})") from None
-        stored = self.store.store_objects(ns, keys, objs, verify=False)
+        stored = self.store.store_objects(ns, keys, rows.unbind(0), verify=False)
         self.metrics.moved(tenant, "store", total)
         return pb.StoreReply(stored=stored)
 
@@ -295,13 +294,20 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         return pb.DeleteSessionReply(deleted=self.sessions.delete(request.session_id, owner))
 
 
-def _adopt(obj: torch.Tensor, sent_ns: Namespace, h: BlockHash, ns: Namespace, key: BlockHash) -> None:
-    """Check an object a client encoded under its own (namespace, hash) in
-    full, then re-head it in place for the store's (tenant namespace, key).
-    Raises CorruptBlockError (with decode's diagnosis)."""
-    csum = claimed_checksum(obj, sent_ns, h)
-    if csum is None or checksum(obj[HEADER_SIZE:]) != csum:
-        decode(obj, sent_ns, h, verify_payload=True)  # names what is wrong
+def _adopt(rows: torch.Tensor, sent_ns: Namespace, sent: list[BlockHash], ns: Namespace,
+           keys: list[BlockHash]) -> None:
+    """Check objects a client encoded under its own (namespace, hashes) in
+    full (all headers compared at once, then every payload hashed), then
+    re-head them in place for the store's (tenant namespace, keys). Raises
+    CorruptBlockError (with decode's diagnosis of the first bad object)."""
+    claims = claimed_checksums(rows, sent_ns, sent)
+    bad = next((i for i, c in enumerate(claims) if c is None), None)
+    if bad is None:
+        sums = checksums(list(rows[:, HEADER_SIZE:].unbind(0)))
+        bad = next((i for i, (c, s) in enumerate(zip(claims, sums)) if c != s), None)
+    if bad is not None:
+        decode(rows[bad], sent_ns, sent[bad], verify_payload=True)  # names what is wrong
         raise CorruptBlockError("bad object header")  # pragma: no cover (decode raised)
-    if (sent_ns, h) != (ns, key):  # a tenant's keys: the payload stays, only the header is written
-        obj[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(header_bytes(ns, key, csum)), dtype=torch.uint8))
+    if (sent_ns, sent) != (ns, keys) and rows.shape[0]:  # a tenant's keys: the payloads stay, only headers change
+        heads = b"".join(header_bytes(ns, key, c) for key, c in zip(keys, claims))
+        rows[:, :HEADER_SIZE].copy_(torch.frombuffer(bytearray(heads), dtype=torch.uint8).view(-1, HEADER_SIZE))

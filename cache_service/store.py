@@ -55,8 +55,8 @@ from cache_service.config import StoreConfig
 from cache_service.eviction.base import EvictionPolicy
 from cache_service.keys import Namespace
 from cache_service.moves import BlockMoves
-from cache_service.objects import (HEADER_SIZE, checksum, claimed_checksum, decode, encode, encode_into, headers,
-                                   object_size)
+from cache_service.objects import (HEADER_SIZE, checksums, claimed_checksum, claimed_checksums, decode, encode,
+                                   encode_into, object_size)
 from cache_service.writer import Item, TierWriter
 from tiers.base import Tier
 from tiers.types import BlockHash, CorruptBlockError, TierKVError
@@ -158,9 +158,10 @@ class TieredStore(BlockMoves):
             except TierKVError:  # an object larger than this namespace's: not what was asked for
                 break
             missed = []
-            heads = headers(rows) if rows is not None and any(hits) else None
-            for j, hit in zip(remaining, hits):
-                if hit and self._verified_in_place(i, ns, hashes[j], outs[j], heads[j] if heads else None):
+            found = [j for j, hit in zip(remaining, hits) if hit]
+            good = set(self._verified_in_place(i, ns, hashes, outs, found, rows))
+            for j in remaining:
+                if j in good:
                     got[j] = True
                     if i and self._due(i, hashes[j]):  # the caller's buffer is reused: promote a copy
                         promote.append((i, hashes[j], outs[j].clone()))
@@ -211,15 +212,24 @@ class TieredStore(BlockMoves):
         out[j] = self._verified(i, ns, h, obj)
         return out[j] is not None
 
-    def _verified_in_place(self, i: int, ns: Namespace, h: BlockHash, obj: torch.Tensor,
-                           raw: bytes | None = None) -> bool:
-        """`_verified` for a hot path: one comparison against the header (ns, h)
-        must have (`raw`: its bytes, read already), the full decode (for its
-        diagnosis) only when that fails."""
-        csum = claimed_checksum(obj, ns, h, raw)
-        if csum is not None and (not self.tiers[i].verify_payload or checksum(obj[HEADER_SIZE:]) == csum):
-            return True
-        return self._verified(i, ns, h, obj) is not None
+    def _verified_in_place(self, i: int, ns: Namespace, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],
+                           found: list[int], rows: torch.Tensor | None) -> list[int]:
+        """Those of `found` (indexes into hashes / objs) whose objects, read from
+        tier i, are sound: the hot path's checks (each header compared with
+        the one (ns, h) must have, the payloads hashed in one call that lets
+        other threads run); the full decode (for its diagnosis) only for
+        the rest. `rows`: objs as one [n, object_size] tensor, if they are."""
+        if rows is not None and found:  # all rows in one pass (indexing rows would copy them)
+            every = claimed_checksums(rows, ns, hashes)
+            claims = [every[j] for j in found]
+        else:
+            claims = [claimed_checksum(objs[j], ns, hashes[j]) for j in found]
+        sound = [j for j, c in zip(found, claims) if c is not None]
+        if self.tiers[i].verify_payload:
+            sums = dict(zip(sound, checksums([objs[j][HEADER_SIZE:] for j in sound])))
+            sound = [j for j, c in zip(found, claims) if c is not None and sums[j] == c]
+        ok = set(sound)
+        return [j for j in found if j in ok or self._verified(i, ns, hashes[j], objs[j]) is not None]
 
     def _verified(self, i: int, ns: Namespace, h: BlockHash, obj: torch.Tensor) -> torch.Tensor | None:
         """The payload of an object read from tier i; None (quarantined) if corrupt."""

@@ -35,7 +35,7 @@ import torch
 from cache_service import framing
 from cache_service.auth import channel_credentials
 from cache_service.keys import Namespace
-from cache_service.objects import HEADER_SIZE, encode_into, object_size
+from cache_service.objects import HEADER_SIZE, encode_rows, object_size
 from cache_service.sessions import Session, SessionError
 from cache_service.shm import Segment, host_id
 from cache_service.wire import check_payloads, ns_to_pb, session_from_pb, session_to_pb, stats_from_pb, torch_dtype
@@ -308,16 +308,15 @@ class GrpcClient:
         return [p if s else None for p, s in zip(payloads, sizes)]
 
     def _store_shm(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
-        """Objects are encoded straight into the segment (payload copy and
-        checksum); the daemon checks them and copies each once into its pool."""
+        """Objects are encoded straight into the segment (the payload copies in
+        one call); the daemon checks them and copies each once into its pool."""
         S = object_size(ns)
         with self._shm_lock:
             got = None if self._shm is None else self._shm.stretch(len(hashes) * S)
             if got is None:  # no segment, or loaded blocks the caller holds fill it
                 return self._store_stream(ns, hashes, payloads)
             offset, area = got
-            for i, (h, p) in enumerate(zip(hashes, payloads)):
-                encode_into(area[i * S: (i + 1) * S], ns, h, p.detach().cpu())
+            encode_rows(area.view(len(hashes), S), ns, hashes, payloads)
             req = pb.ShmRequest(ns=_ns(ns), hashes=list(hashes), attachment=self._attachment, offset=offset)
             return self.call("StoreShm", req).stored
 

@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from cache_service.keys import Namespace, prefix_hashes
-from cache_service.objects import HEADER_SIZE, checksum, claimed_checksum, decode, encode, headers, object_size
+from cache_service import objects
+from cache_service.objects import (HEADER_SIZE, checksum, claimed_checksum, claimed_checksums, decode, encode,
+                                   encode_rows, object_size)
 from tiers.types import CorruptBlockError
 
 NS = Namespace("tiny", "bfloat16", num_layers=2, kv_heads=2, head_dim=8, block_tokens=4)
@@ -43,15 +45,15 @@ def test_fast_header_check_agrees_with_decode_on_every_header_bit():
             bad = obj.clone()
             bad[byte] ^= 1 << bit
             assert claimed_checksum(bad, NS, H[0]) is None, (byte, bit)
-            # the same answer from header bytes read for many rows at once
-            rows = torch.stack([obj, bad])
-            good_raw, bad_raw = headers(rows)
-            assert claimed_checksum(rows[1], NS, H[0], bad_raw) is None, (byte, bit)
-            assert claimed_checksum(rows[0], NS, H[0], good_raw) == checksum(obj[HEADER_SIZE:])
+            # the same answers for many rows checked at once
+            rows = torch.stack([obj, bad, obj])
+            assert claimed_checksums(rows, NS, [H[0]] * 3) == [checksum(obj[HEADER_SIZE:]), None,
+                                                                checksum(obj[HEADER_SIZE:])], (byte, bit)
     # another block's hash, another tenant, another size: refused too
     assert claimed_checksum(obj, NS, H[1]) is None
     assert claimed_checksum(obj, NS.with_tenant("other"), H[0]) is None
     assert claimed_checksum(obj[:-1], NS, H[0]) is None
+    assert claimed_checksums(torch.stack([obj, obj]), NS, H[:2])[1] is None
 
 
 def test_truncated_swapped_and_foreign_objects_are_detected():
@@ -85,3 +87,22 @@ def test_wrong_payload_size_is_a_clear_error():
     # a payload of the wrong shape is refused at encode time
     with pytest.raises(ValueError, match="bytes"):
         encode(NS, H[0], torch.zeros(3, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("batched_copy", [True, False])
+def test_encoding_many_rows_equals_encoding_each_block(batched_copy, monkeypatch):
+    # the C copy helper must be built here; torch copies are the fallback
+    assert objects.copy_many is not None, "C copy helper missing (pip install -e . needs a C compiler)"
+    if not batched_copy:
+        monkeypatch.setattr(objects, "copy_many", None)
+    # rows encoded in one call are byte for byte the objects encode() makes
+    payloads = [_payload(10), _payload(11).transpose(-1, -2).contiguous().transpose(-1, -2)]  # one not contiguous
+    rows = torch.full((2, object_size(NS)), 0xAA, dtype=torch.uint8)
+    encode_rows(rows, NS, H[:2], payloads)
+    for row, h, p in zip(rows, H, payloads):
+        assert torch.equal(row, encode(NS, h, p))
+    # a payload of the wrong size is refused before anything is written
+    before = rows.clone()
+    with pytest.raises(ValueError, match="bytes"):
+        encode_rows(rows, NS, H[1:3], [payloads[0], torch.zeros(3, dtype=torch.bfloat16)])
+    assert torch.equal(rows, before)
