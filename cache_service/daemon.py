@@ -6,10 +6,11 @@
 Services: ``tierkv.v1.TierKV`` (cache_service/server.py), the standard
 ``grpc.health.v1.Health`` (``""`` and ``tierkv.v1.TierKV`` report SERVING
 until shutdown begins) and server reflection, so ``grpcurl`` works without
-the proto file. Auth and TLS: cache_service/auth.py.
+the proto file. Auth and TLS: cache_service/auth.py. Same-host clients ring
+the shared-memory calls on a Unix socket beside it (cache_service/doorbell.py).
 
-Shutdown (SIGTERM or SIGINT) drains: health turns NOT_SERVING, the server
-stops accepting calls, in-flight calls get ``grace_s`` to finish, then
+Shutdown (SIGTERM or SIGINT) drains: health turns NOT_SERVING, the doorbell
+and then the server stop accepting calls, in-flight calls get ``grace_s`` to finish, then
 ``store.close()`` flushes background writes (up to the store's
 ``flush_timeout_s``) and closes the tiers, so the disk index is committed
 and closed cleanly. A restart on the same config sees every block that
@@ -38,6 +39,7 @@ from cache_service.framing import StoreMessage
 from cache_service.metrics import Metrics
 from cache_service.server import ServerSettings, TierKVServicer
 from cache_service.sessions import SessionStore
+from cache_service.doorbell import Doorbell
 from cache_service.shm import Attachments
 from cache_service.store import TieredStore
 from proto import tierkv_pb2 as pb
@@ -79,6 +81,7 @@ class Daemon:
         reflection.enable_server_reflection(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self.server)
         self.port = self._bind()
+        self.doorbell: Doorbell | None = None
         self.metrics_port: int | None = None
         self._stopped = threading.Event()
 
@@ -105,6 +108,11 @@ class Daemon:
         if s.metrics_port is not None:
             self.metrics_port = self.metrics.serve(s.metrics_port, s.metrics_host)
         self.server.start()
+        try:  # the shared-memory calls' fast lane; without it clients ring through gRPC
+            self.doorbell = Doorbell(self.servicer).start()
+            self.servicer.doorbell = self.doorbell.path
+        except OSError as e:
+            log.warning("no same-host doorbell socket (%s); shared-memory calls go through gRPC", e)
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         fields = {"listen": self.address, "tls": bool(s.tls_cert), "auth": self.auth.enabled,
@@ -120,6 +128,9 @@ class Daemon:
         grace = self.settings.grace_s if grace_s is None else grace_s
         log.info("draining", extra={"fields": {"grace_s": grace}})
         self.health.enter_graceful_shutdown()
+        self.servicer.doorbell = ""
+        if self.doorbell is not None:
+            self.doorbell.close(grace)
         self.server.stop(grace).wait()
         self.attachments.close()
         self.store.close()  # flushes background writes first

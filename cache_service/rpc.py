@@ -76,19 +76,42 @@ def rpc(fn):
 
     @functools.wraps(fn)
     def unary(self, request, context):
-        t0, tenant, code, msg = time.perf_counter(), None, OK, ""
-        _track(self, +1)
-        try:
-            tenant = self.auth.tenant_of(context.invocation_metadata())
-            return fn(self, request, context, tenant)
-        except Exception as e:
-            code, msg = status_of(e)
-            _report(method, tenant, e, code, msg)
-        finally:
-            _track(self, -1)
-            self.metrics.observe(method, tenant, code, time.perf_counter() - t0)
-        context.abort(code, msg)
+        reply, code, msg = _guarded(self, method, lambda: self.auth.tenant_of(context.invocation_metadata()),
+                                    lambda tenant: fn(self, request, context, tenant))
+        if code is not OK:
+            context.abort(code, msg)
+        return reply
     return unary
+
+
+def call_as(servicer, method: str, request_type, body: bytes, tenant: str | None):
+    """Run unary servicer method `method` on a serialized `request_type` for
+    a caller already authenticated as `tenant`, outside gRPC (the same-host
+    doorbell, cache_service/doorbell.py): the same status mapping, metrics
+    and in-flight count as `rpc`. Returns (reply or None, code, message)."""
+    def run(tenant: str | None):
+        try:
+            request = request_type.FromString(body)
+        except Exception:  # protobuf's DecodeError: a malformed body
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: malformed request") from None
+        return getattr(type(servicer), method).__wrapped__(servicer, request, None, tenant)
+    return _guarded(servicer, method, lambda: tenant, run)
+
+
+def _guarded(servicer, method: str, tenant_of, body):
+    """(reply, OK, "") of body(tenant_of()), or (None, code, message) of what it raised; counted and timed."""
+    t0, tenant, code, msg = time.perf_counter(), None, OK, ""
+    _track(servicer, +1)
+    try:
+        tenant = tenant_of()
+        return body(tenant), code, msg
+    except Exception as e:
+        code, msg = status_of(e)
+        _report(method, tenant, e, code, msg)
+        return None, code, msg
+    finally:
+        _track(servicer, -1)
+        servicer.metrics.observe(method, tenant, code, time.perf_counter() - t0)
 
 
 def _track(servicer, delta: int) -> None:

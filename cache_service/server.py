@@ -90,6 +90,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         self.started = time.monotonic()
         self.in_flight = 0  # RPCs being handled (rpc.py counts them); a drain waits for these
         self.in_flight_lock = threading.Lock()
+        self.doorbell = ""  # the same-host socket for the shared-memory calls, once the daemon opened one
 
     # ------------------------------------------------------------ helpers
     def _blocks(self, msg, tenant: str | None, need_ns: bool = True) -> tuple[Namespace | None, list[BlockHash]]:
@@ -202,7 +203,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @rpc
     def Attach(self, request, context, tenant):
         aid, nbytes = self.attachments.attach(request.name, request.nonce, tenant)
-        return pb.AttachReply(attachment=aid, data_offset=DATA_OFFSET, size=nbytes)
+        return pb.AttachReply(attachment=aid, data_offset=DATA_OFFSET, size=nbytes, doorbell=self.doorbell)
 
     @rpc
     def Detach(self, request, context, tenant):

@@ -19,6 +19,10 @@ mappable by all tenants, so one tenant could read another's blocks in
 flight. A client segment is readable only by its creator and the daemon, and
 an attachment is usable only by the tenant that made it.
 
+The calls themselves (LoadShm, StoreShm) carry only hashes and offsets; a
+client rings them on the daemon's doorbell socket when Attach names one
+(cache_service/doorbell.py), else through gRPC.
+
 Whether the path works is proven, not guessed: the daemon advertises a host
 id (the kernel boot id) and a client on the same host tries to attach; a
 daemon that cannot open or verify the segment (another host, another

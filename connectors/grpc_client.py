@@ -16,8 +16,9 @@ never raised into the engine. Admin calls (stats, pin, sessions, ...) raise
 URL: ``grpc://host:port?transport=auto|shm|stream&tls=1&ca=/ca.pem&timeout=30``
 (add ``cert=/client.pem&key=/client.key`` for a daemon that wants client certificates).
 ``transport=auto`` (default) uses shared memory when the daemon runs on this
-host and can map a segment this process creates (cache_service/shm.py), else
-streams bytes. The token comes from the ``token`` argument or ``TIERKV_TOKEN``.
+host and can map a segment this process creates (cache_service/shm.py), and
+rings the shared-memory calls on the daemon's doorbell socket
+(cache_service/doorbell.py) when it offers one; else it streams bytes. The token comes from the ``token`` argument or ``TIERKV_TOKEN``.
 """
 from __future__ import annotations
 
@@ -34,11 +35,12 @@ import torch
 
 from cache_service import framing
 from cache_service.auth import channel_credentials
+from cache_service.doorbell import Bell
 from cache_service.keys import Namespace
 from cache_service.objects import HEADER_SIZE, encode_rows, object_size
-from cache_service.sessions import Session, SessionError
 from cache_service.shm import Segment, host_id
-from cache_service.wire import check_payloads, ns_to_pb, session_from_pb, session_to_pb, stats_from_pb, torch_dtype
+from cache_service.wire import check_payloads, ns_to_pb, stats_from_pb, torch_dtype
+from connectors.grpc_sessions import RemoteSessions
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
 from tiers.types import BlockHash, TierKVError, TierUnavailableError
@@ -76,8 +78,8 @@ class GrpcClient:
         except ValueError:
             raise TierKVError(f"cache URL {url!r}: timeout must be a number of seconds") from None
         self.errors = 0
-        token = token or os.environ.get("TIERKV_TOKEN")
-        self._md = (("authorization", f"Bearer {token}"),) if token else ()
+        self._token = token or os.environ.get("TIERKV_TOKEN")
+        self._md = (("authorization", f"Bearer {self._token}"),) if self._token else ()
         # reconnect within seconds after a daemon restart (grpc's default backoff grows to 2 minutes)
         options = [("grpc.max_receive_message_length", _RECEIVE_LIMIT), ("grpc.max_reconnect_backoff_ms", 5000)]
         tls_ca = tls_ca or q.get("ca") or os.environ.get("TIERKV_TLS_CA")
@@ -96,9 +98,10 @@ class GrpcClient:
         self._shm: Segment | None = None
         self._shm_bytes, self._retry_at = 0, 0.0  # segment size to re-attach; when to try
         self._attachment = ""
+        self._bell: Bell | None = None  # the daemon's doorbell, while the segment is attached
         self._shm_lock = threading.Lock()
         self._last_log: dict[str, float] = {}
-        self.sessions = RemoteSessions(self)
+        self.sessions = RemoteSessions(self)  # connectors/grpc_sessions.py
         try:
             self.hello = self._hello(connect_timeout_s)
             self.transport = self._pick(transport or q.get("transport", "auto"), shm_bytes)
@@ -149,6 +152,19 @@ class GrpcClient:
             raise
         seg.unlink()  # the daemon maps it now; no name left behind if anyone dies
         self._shm, self._attachment = seg, reply.attachment
+        self._bell = self._ring(reply.doorbell)
+
+    def _ring(self, path: str) -> Bell | None:
+        """A connection to the daemon's doorbell socket, or None (then the
+        shared-memory calls go through gRPC)."""
+        if not path:
+            return None
+        try:
+            return Bell(path, self._token, self.timeout_s)
+        except (OSError, grpc.RpcError) as e:
+            log.info("tierkv daemon %s: doorbell %s unusable (%s); shared-memory calls go through gRPC",
+                     self.target, path, _why(e))
+            return None
 
     def _drop_segment(self) -> None:
         """Stop using the segment: the daemon forgot it (restart) or may still
@@ -156,6 +172,9 @@ class GrpcClient:
         a later call (`_segment`)."""
         with self._shm_lock:
             old, self._shm = self._shm, None
+            if self._bell is not None:
+                self._bell.close()
+                self._bell = None
             if old is not None:
                 old.close()
                 self._retry_at, self.transport = time.monotonic(), "stream"
@@ -175,6 +194,11 @@ class GrpcClient:
     def call(self, name: str, request, timeout_s: float | None = None):
         """One unary RPC with this client's token and timeout (raises grpc.RpcError)."""
         return getattr(self._stub, name)(request, timeout=timeout_s or self.timeout_s, metadata=self._md)
+
+    def _shm_call(self, name: str, request, reply_type):
+        """A shared-memory call (caller holds _shm_lock): on the doorbell when
+        the daemon offered one, else through gRPC."""
+        return self._bell.call(name, request, reply_type) if self._bell is not None else self.call(name, request)
 
     def admin(self, name: str, request, invalid: type[TierKVError] = TierKVError):
         """A unary RPC whose failure the caller should see: `invalid` for a
@@ -269,6 +293,8 @@ class GrpcClient:
     def close(self) -> None:
         self._shm_bytes = 0  # no re-attaching after this
         seg, self._shm = self._shm, None
+        if self._bell is not None:
+            self._bell.close()
         if seg is not None:
             try:
                 self.call("Detach", pb.DetachRequest(attachment=self._attachment), timeout_s=2.0)
@@ -300,7 +326,7 @@ class GrpcClient:
                 return self._load_stream(ns, hashes)
             offset, area = got
             req = pb.ShmRequest(ns=_ns(ns), hashes=list(hashes), attachment=self._attachment, offset=offset)
-            sizes = list(self.call("LoadShm", req).sizes)
+            sizes = list(self._shm_call("LoadShm", req, pb.LoadShmReply).sizes)
             _check_sizes(sizes, len(hashes), P)
             payloads = _payload_views(area, ns, len(hashes))
             if not lent:
@@ -318,7 +344,7 @@ class GrpcClient:
             offset, area = got
             encode_rows(area.view(len(hashes), S), ns, hashes, payloads)
             req = pb.ShmRequest(ns=_ns(ns), hashes=list(hashes), attachment=self._attachment, offset=offset)
-            return self.call("StoreShm", req).stored
+            return self._shm_call("StoreShm", req, pb.StoreReply).stored
 
     def _load_stream(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Whole objects, each copied once out of its message and checked
@@ -361,39 +387,3 @@ def _payload_views(area: torch.Tensor, ns: Namespace, n: int) -> list[torch.Tens
     S, item = object_size(ns), torch_dtype(ns).itemsize
     rows = area[: n * S].view(torch_dtype(ns)).view(n, S // item)
     return list(rows[:, HEADER_SIZE // item:].view(n, *ns.block_shape).unbind(0))
-
-
-class RemoteSessions:
-    """The daemon's session manifests, with the `SessionStore` interface
-    (get/put/list/delete) plus `resume`. With auth on the token's tenant is
-    used and `tenant` arguments must be empty or equal to it."""
-
-    def __init__(self, client: GrpcClient) -> None:
-        self._client = client
-
-    def _call(self, name: str, request):
-        return self._client.admin(name, request, invalid=SessionError)
-
-    def get(self, session_id: str, tenant: str = "") -> Session | None:
-        return self.resume(session_id, tenant)[0]
-
-    def resume(self, session_id: str, tenant: str = "", ns: Namespace | None = None) -> tuple[Session | None, int]:
-        """(manifest or None, blocks of its token prefix the daemon holds; 0 without `ns`)."""
-        req = pb.ResumeSessionRequest(session_id=session_id, tenant=tenant, ns=_ns(ns) if ns else None)
-        reply = self._call("ResumeSession", req)
-        return (session_from_pb(reply.session) if reply.found else None), reply.cached_blocks
-
-    def put(self, s: Session, ns: Namespace | None = None, pin: bool = False, pin_ttl_s: float | None = None) -> None:
-        """Save the manifest durably; with `pin` (needs `ns`) pin its blocks."""
-        req = pb.SaveSessionRequest(session=session_to_pb(s), ns=_ns(ns) if ns else None, pin=pin,
-                                    pin_ttl_s=pin_ttl_s or 0.0)
-        saved = self._call("SaveSession", req).session
-        s.tenant, s.updated_s = saved.tenant, saved.updated_s
-
-    def list(self, tenant: str = "") -> list[str]:
-        return list(self._call("ListSessions", pb.ListSessionsRequest(tenant=tenant)).session_ids)
-
-    def delete(self, session_id: str, tenant: str = "", ns: Namespace | None = None) -> bool:
-        """Remove the manifest; with `ns`, unpin its blocks too."""
-        req = pb.DeleteSessionRequest(session_id=session_id, tenant=tenant, ns=_ns(ns) if ns else None)
-        return self._call("DeleteSession", req).deleted

@@ -111,14 +111,16 @@ class AttachRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("attachment", "data_offset", "size")
+    __slots__ = ("attachment", "data_offset", "size", "doorbell")
     ATTACHMENT_FIELD_NUMBER: _ClassVar[int]
     DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_FIELD_NUMBER: _ClassVar[int]
     attachment: str
     data_offset: int
     size: int
-    def __init__(self, attachment: _Optional[str] = ..., data_offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+    doorbell: str
+    def __init__(self, attachment: _Optional[str] = ..., data_offset: _Optional[int] = ..., size: _Optional[int] = ..., doorbell: _Optional[str] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("attachment",)

@@ -1,0 +1,102 @@
+"""The same-host doorbell: the shared-memory calls over a Unix socket, with
+gRPC's auth, tenants and status codes, and a fallback to gRPC."""
+from __future__ import annotations
+
+import os
+import random
+import socket
+
+import grpc
+import pytest
+
+from cache_service import doorbell
+from cache_service.doorbell import Bell, BellError
+from cache_service.wire import ns_to_pb
+from connectors.grpc_client import GrpcClient
+from proto import tierkv_pb2 as pb
+from tests.cache_service.store_helpers import NS, hashes
+from tests.cache_service.test_server import TOKENS, intact, put, start, url  # noqa: F401 (fixture)
+
+Code = grpc.StatusCode
+
+
+def _refused(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(BellError) as e:
+        fn()
+    return e.value.code(), e.value.details()
+
+
+def test_shared_memory_calls_ring_the_doorbell(start):
+    d = start()
+    with GrpcClient(url(d, "shm")) as c:
+        # the daemon offered its socket at Attach and the client connected
+        assert c._bell is not None and d.servicer.doorbell == d.doorbell.path
+        # a store and a load are answered there, not by gRPC, and counted as the same methods
+        hs = hashes(6)
+        assert put(c, hs) == 6 and intact(c, hs)
+        assert d.doorbell.calls == 2
+    # only the daemon's user may connect
+    assert os.stat(d.doorbell.path).st_mode & 0o777 == 0o600
+
+
+def test_the_doorbell_checks_tokens_and_attachment_tenants(start):
+    d = start(auth=True)
+    # no token or a wrong one: refused at HELLO
+    assert _refused(lambda: Bell(d.doorbell.path, None, 5.0))[0] == Code.UNAUTHENTICATED
+    assert _refused(lambda: Bell(d.doorbell.path, "not-a-token-at-all", 5.0))[0] == Code.UNAUTHENTICATED
+    with GrpcClient(url(d, "shm"), token=TOKENS["acme"]) as acme:
+        assert put(acme, hashes(3)) == 3
+        # globex holding acme's attachment id still cannot use it
+        globex = Bell(d.doorbell.path, TOKENS["globex"], 5.0)
+        try:
+            req = pb.ShmRequest(ns=ns_to_pb(NS), hashes=hashes(3), attachment=acme._attachment)
+            code, why = _refused(lambda: globex.call("LoadShm", req, pb.LoadShmReply))
+            assert code == Code.PERMISSION_DENIED and "tenant" in why
+        finally:
+            globex.close()
+        assert intact(acme, hashes(3))
+
+
+def test_bad_frames_get_status_codes_and_never_crash_the_daemon(start):
+    d = start()
+    with GrpcClient(url(d, "shm")) as c:
+        assert put(c, hashes(4)) == 4
+        bell = Bell(d.doorbell.path, None, 5.0)
+        try:
+            # a malformed body and an unknown op are refused; the connection goes on
+            assert _refused(lambda: bell._ask(doorbell.LOAD_SHM, b"\xff\xff\xff"))[0] == Code.INVALID_ARGUMENT
+            assert _refused(lambda: bell._ask(99, b""))[0] == Code.UNIMPLEMENTED
+            req = pb.ShmRequest(ns=ns_to_pb(NS), hashes=hashes(4), attachment="nope")
+            assert _refused(lambda: bell.call("LoadShm", req, pb.LoadShmReply))[0] == Code.NOT_FOUND
+        finally:
+            bell.close()
+        # random bytes on fresh connections: each is answered or dropped, the daemon keeps serving
+        rng = random.Random(0)
+        for _ in range(200):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(5.0)
+                s.connect(d.doorbell.path)
+                s.sendall(rng.randbytes(rng.randrange(1, 64)))
+                s.shutdown(socket.SHUT_WR)
+                try:
+                    while s.recv(4096):
+                        pass
+                except ConnectionResetError:  # dropped with bytes unread: fine
+                    pass
+        # nothing stored was lost, and the client's own doorbell still works
+        assert intact(c, hashes(4)) and d.doorbell.calls >= 2
+
+
+def test_a_broken_doorbell_costs_one_miss_then_grpc_carries_the_calls(start):
+    d = start()
+    with GrpcClient(url(d, "shm")) as c:
+        hs = hashes(4)
+        assert put(c, hs) == 4
+        # the daemon's doorbell goes away (its connections with it)
+        d.servicer.doorbell = ""
+        d.doorbell.close(grace_s=1.0)
+        # the call in the way is a miss, not an error in the caller
+        assert c.load(NS, hs) == [None] * 4 and c.errors == 1
+        # the client attaches again, without a doorbell now, and shared memory works through gRPC
+        c._retry_at = 0.0
+        assert intact(c, hs) and c.transport == "shm" and c._bell is None
