@@ -2,7 +2,9 @@
 physical limit and to a peer, all measured in the same run.
 
 - Physical limit: memcpy of the same bytes (a torch copy of each block into a
-  preallocated buffer), in this process.
+  preallocated buffer), in this process. For the streamed path also the
+  bytes through a raw loopback TCP socket (`socket_vs_memcpy`): no framing,
+  no copies, no checks, so no streamed path on this host can beat it.
 - Ours: a `GrpcClient` against a real daemon subprocess (CPU tier only, so
   the figure is the daemon path, not the disk), (a) over shared memory and
   (b) streaming bytes over the socket. Stores use fresh keys every
@@ -21,10 +23,12 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -79,6 +83,38 @@ def _time(fn) -> float:
     return time.perf_counter() - t
 
 
+class SocketCeiling:
+    """The streaming path's physical limit here: the same bytes through a raw
+    loopback TCP socket (a thread sends, this thread receives into one
+    buffer; no framing, no copies, no checks), in this process."""
+
+    def __init__(self, data: bytes) -> None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        self._tx = socket.create_connection(listener.getsockname())
+        self._rx, _ = listener.accept()
+        listener.close()
+        self._src = memoryview(data)
+        self._dst = memoryview(bytearray(len(self._src)))
+        self._go = threading.Semaphore(0)
+        threading.Thread(target=self._send, daemon=True).start()
+
+    def _send(self) -> None:
+        while self._go.acquire() and self._src is not None:
+            self._tx.sendall(self._src)
+
+    def transfer(self) -> None:
+        self._go.release()
+        got = 0
+        while got < len(self._dst):
+            got += self._rx.recv_into(self._dst[got:])
+
+    def close(self) -> None:
+        self._src = None
+        self._go.release()
+        self._tx.close()
+        self._rx.close()
+
+
 def bench_size(name: str, n: int, reps: int, root: Path) -> dict[str, float]:
     model, layers, heads, dim = SHAPES[name]
     ns = Namespace(model, "bfloat16", layers, heads, dim, block_tokens=16)
@@ -98,8 +134,9 @@ def bench_size(name: str, n: int, reps: int, root: Path) -> dict[str, float]:
     # as in a daemon that has been running, instead of faulting in never-touched memory
     proc, port = start_daemon(root, 4 * n * object_size(ns), object_size(ns))
     rport, r = start_redis(root)
+    wire = SocketCeiling(b"".join(blobs))
     rows: dict[str, list[float]] = {k: [] for k in ("memcpy", "shm_load", "shm_store", "stream_load",
-                                                    "stream_store", "redis_get", "redis_set")}
+                                                    "stream_store", "redis_get", "redis_set", "socket")}
     try:
         clients = {t: GrpcClient(f"grpc://127.0.0.1:{port}?transport={t}", shm_bytes=n * object_size(ns))
                    for t in ("shm", "stream")}
@@ -112,6 +149,7 @@ def bench_size(name: str, n: int, reps: int, root: Path) -> dict[str, float]:
         memcpy()
         for _ in range(reps):  # paired: each repetition times everything back to back
             rows["memcpy"].append(_time(memcpy))
+            rows["socket"].append(_time(wire.transfer))
             for t, c in clients.items():
                 keys = next(fresh)
                 rows[f"{t}_store"].append(_time(lambda: c.store(ns, keys, payloads)))
@@ -130,12 +168,14 @@ def bench_size(name: str, n: int, reps: int, root: Path) -> dict[str, float]:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
         stop_redis(root)
+        wire.close()
     med = statistics.median
     ratio = lambda a, b: med(x / y for x, y in zip(rows[a], rows[b]))  # noqa: E731
     fig = {f"{k}_gbs": n * size / med(v) / 1e9 for k, v in rows.items()}
     for t in ("shm", "stream"):
         fig[f"{t}_load_vs_memcpy"] = ratio("memcpy", f"{t}_load")
         fig[f"{t}_store_vs_memcpy"] = ratio("memcpy", f"{t}_store")
+    fig["socket_vs_memcpy"] = ratio("memcpy", "socket")  # the ceiling of any streamed path on this host
     fig["load_vs_redis"] = ratio("redis_get", "shm_load")
     fig["store_vs_redis"] = ratio("redis_set", "shm_store")
     return fig
@@ -163,7 +203,7 @@ def main() -> None:
     for k, v in figures.items():
         print(f"{k:14s} " + "  ".join(f"{a}={b:.3f}" for a, b in v.items()))
     keys = ("shm_load_vs_memcpy", "shm_store_vs_memcpy", "stream_load_vs_memcpy", "stream_store_vs_memcpy",
-            "load_vs_redis", "store_vs_redis")
+            "load_vs_redis", "store_vs_redis", "socket_vs_memcpy")
     print(json.dumps({k: round(min(v[k] for v in figures.values()), 3) for k in keys}))
 
 
