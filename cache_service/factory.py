@@ -13,7 +13,8 @@ import xxhash
 from cache_service.config import TIER_ORDER, Config, CpuConfig, DiskConfig, HbmConfig, TierConfig
 from cache_service.config import S3Config
 from cache_service.eviction import make_policy
-from cache_service.sessions import Manifests, S3Manifests, SessionStore, SharedSessionStore
+from cache_service.sessions import Manifests, SessionStore
+from cache_service.shared_sessions import S3Manifests, SharedSessionStore
 from cache_service.store import TieredStore
 from tiers.base import Tier
 

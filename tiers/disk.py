@@ -22,13 +22,11 @@ quarantine, close), so a read never waits for a commit.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from itertools import count
 from pathlib import Path
@@ -40,13 +38,13 @@ import xxhash
 
 from tiers.arena import Arena
 from tiers.base import ByteBudget, Tier
-from tiers.types import HASH_BYTES, BlockHash, TierKVError, TierUnavailableError
+from tiers.disk_io import buffers, fsync_dir, lock_root, parse_name, readers, unlink_quiet
+from tiers.types import BlockHash, TierKVError, TierUnavailableError
 
 log = logging.getLogger(__name__)
 
 _ENTRY = struct.Struct("<QQQ")  # file size, xxh3_64 of the file bytes, last access (ns since epoch)
 _TMP_PREFIX = ".tmp-"
-_HEX_DIGITS = "0123456789abcdef"
 
 
 class _Entry:
@@ -60,33 +58,6 @@ class _Entry:
 
     def pack(self) -> bytes:
         return _ENTRY.pack(self.size, self.csum, self.atime)
-
-
-_READ_THREADS = 8
-_readers_pool: ThreadPoolExecutor | None = None
-_readers_lock = threading.Lock()
-
-
-def _readers() -> ThreadPoolExecutor:
-    """Threads that read a batch's files concurrently (shared by all disk
-    tiers): one read at a time leaves an SSD or a virtual disk mostly idle,
-    waiting out each read's latency in turn."""
-    global _readers_pool
-    with _readers_lock:
-        if _readers_pool is None:
-            _readers_pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="tierkv-disk-read")
-        return _readers_pool
-
-
-def _buffers(arena: Arena, sizes: list[int]) -> list[torch.Tensor]:
-    """Read buffers: rows of the tier's arena when all objects have the same
-    size (the usual batch of one namespace), so the payloads handed out are
-    evenly spaced in one buffer and a caller can take them as one batch
-    without copying (connectors/vllm_pages.py), and the next batch reuses
-    memory already faulted in once the caller has dropped them."""
-    if sizes and all(n == sizes[0] for n in sizes):
-        return arena.rows(len(sizes), sizes[0])
-    return [torch.empty(n, dtype=torch.uint8) for n in sizes]
 
 
 class DiskTier(ByteBudget, Tier):
@@ -108,7 +79,7 @@ class DiskTier(ByteBudget, Tier):
         self._data = self.root / "data"
         self._quarantine_dir = self.root / "quarantine"
         self._make_dirs()
-        self._lock_fd = _lock_root(self.root)
+        self._lock_fd = lock_root(self.root)
         try:
             self._env = lmdb.open(str(self.root / "index.lmdb"), map_size=map_size, subdir=True,
                                   sync=fsync, metasync=fsync, readahead=False, max_dbs=0)
@@ -132,8 +103,8 @@ class DiskTier(ByteBudget, Tier):
         self._quarantine_dir.mkdir(parents=True, exist_ok=True)
         self._data.mkdir(parents=True, exist_ok=True)
         if self.fsync:
-            _fsync_dir(self._data)
-            _fsync_dir(self.root)
+            fsync_dir(self._data)
+            fsync_dir(self.root)
 
     def _recover(self) -> None:
         """Make disk agree with the index: drop entries without a complete
@@ -144,12 +115,12 @@ class DiskTier(ByteBudget, Tier):
         for f in os.scandir(self._data):
             if not f.is_file(follow_symlinks=False):
                 continue  # not ours to judge: nothing here ever makes a directory
-            h = _parse_name(f.name)
+            h = parse_name(f.name)
             e = entries.get(h) if h is not None else None
             if e is not None and f.stat().st_size == e.size:
                 kept[h] = e
             else:
-                _unlink_quiet(f.path)
+                unlink_quiet(f.path)
         dropped = [h for h in entries if h not in kept]
         if dropped:
             log.warning("disk tier %s: dropping %d index entries without a valid file", self.root, len(dropped))
@@ -189,7 +160,7 @@ class DiskTier(ByteBudget, Tier):
             finally:
                 os.close(fd)
         except OSError as e:
-            _unlink_quiet(tmp)
+            unlink_quiet(tmp)
             if e.errno == errno.ENOSPC:  # a capacity condition, not an error: say so, but not per block
                 now = time.monotonic()
                 if now - self._full_logged >= 10.0:
@@ -214,7 +185,7 @@ class DiskTier(ByteBudget, Tier):
                     os.rename(tmp, self.path_of(h))
                 if self.fsync:
                     for d in {self.path_of(h).parent for h, _, _ in fresh}:
-                        _fsync_dir(d)
+                        fsync_dir(d)
                 with self._lock:
                     for _, _, e in fresh:
                         e.atime = self._tick()
@@ -224,11 +195,11 @@ class DiskTier(ByteBudget, Tier):
                 ok = False
             finally:
                 for _, tmp, _ in written:  # beaten by a racing put, or never renamed
-                    _unlink_quiet(tmp)
+                    unlink_quiet(tmp)
             if not ok:
                 self.stats.add(errors=1)
                 for h, _, _ in fresh:
-                    _unlink_quiet(self.path_of(h))
+                    unlink_quiet(self.path_of(h))
                 return
             nbytes = sum(e.size for _, _, e in fresh)
             with self._lock:
@@ -247,7 +218,7 @@ class DiskTier(ByteBudget, Tier):
             if not self._write_index({}, gone):
                 self.stats.add(errors=1)
             for h in gone:
-                _unlink_quiet(self.path_of(h))
+                unlink_quiet(self.path_of(h))
         return len(gone)
 
     def _unindex(self, hashes: Iterable[BlockHash]) -> list[BlockHash]:
@@ -291,8 +262,8 @@ class DiskTier(ByteBudget, Tier):
                     e.atime = self._tick()
                     self._dirty.add(h)
         found = [(h, e) for h, e in zip(hashes, entries) if e is not None]
-        bufs = _buffers(self._arena, [e.size for _, e in found])
-        read = iter(_readers().map(self._read, *zip(*found), bufs) if len(found) > 1 else
+        bufs = buffers(self._arena, [e.size for _, e in found])
+        read = iter(readers().map(self._read, *zip(*found), bufs) if len(found) > 1 else
                     [self._read(h, e, b) for (h, e), b in zip(found, bufs)])
         out: list[torch.Tensor | None] = []
         corrupt = 0
@@ -379,35 +350,3 @@ class DiskTier(ByteBudget, Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise TierKVError(f"disk tier {self.root} is closed")
-
-
-def _lock_root(root: Path) -> int:
-    """Take the exclusive flock on `root`: one process owns a tier directory,
-    since opening one deletes files it does not know (another's temp files)."""
-    fd = os.open(root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise TierUnavailableError(f"disk tier {root} is in use by another process") from None
-    return fd
-
-
-def _parse_name(name: str) -> BlockHash | None:
-    """The hash a data file is named after, or None for anything else."""
-    if len(name) != 2 * HASH_BYTES or name.strip(_HEX_DIGITS):
-        return None
-    return BlockHash(bytes.fromhex(name))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quiet(path: str | os.PathLike) -> None:
-    with suppress(FileNotFoundError):
-        os.unlink(path)

@@ -1,0 +1,113 @@
+"""Fuzzing a live daemon: hypothesis-generated requests, mostly malformed,
+through gRPC and the same-host doorbell; every one is answered with a
+client-error status at worst, and the blocks stored before stay intact."""
+from __future__ import annotations
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache_service.daemon import Daemon
+from cache_service.doorbell import Bell
+from cache_service.server import ServerSettings
+from cache_service.shm import Segment
+from cache_service.wire import ns_to_pb
+from connectors.grpc_client import GrpcClient
+from proto import tierkv_pb2 as pb
+from tests.cache_service.store_helpers import NS, hashes, make_store
+from tests.cache_service.test_server import P, intact, put, raw, url
+
+Code = grpc.StatusCode
+ANSWERS = {Code.OK, Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.PERMISSION_DENIED, Code.NOT_FOUND,
+           Code.FAILED_PRECONDITION}
+_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
+_dim = st.one_of(st.integers(0, 4), st.integers(0, 2**32 - 1))
+
+
+def _mostly(good, bad, good_in_4: int = 3):
+    """`good` in good_in_4 of 4 draws, else `bad` (one_of alone leans to the richer branch)."""
+    return st.integers(0, 3).flatmap(lambda i: good if i < good_in_4 else bad)
+
+
+_namespaces = _mostly(
+    st.sampled_from([ns_to_pb(NS), ns_to_pb(NS.with_tenant("acme"))]),
+    st.builds(pb.Namespace, model_id=_text, kv_dtype=st.sampled_from(["bfloat16", "int8", "float64", ""]),
+              num_layers=_dim, kv_heads=_dim, head_dim=_dim, block_tokens=_dim, tp_rank=st.integers(0, 3),
+              tp_world=st.integers(0, 3), codec=st.sampled_from(["", "raw", "zstd"]),
+              tenant_salt=st.sampled_from(["", "acme", "a/b"])))
+_maybe_ns = _mostly(_namespaces, st.none())
+_hashes = _mostly(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=6),
+                  st.lists(st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=24)), max_size=4), 2)
+_data = st.lists(st.one_of(st.binary(max_size=64), st.sampled_from([bytes(P), bytes(2 * P), bytes(P // 2)])),
+                 max_size=4)
+_session = st.builds(pb.Session, session_id=st.one_of(st.sampled_from(["s1", "s2"]), _text), tenant=_text,
+                     messages_json=st.one_of(st.just("[]"), _text),
+                     token_ids=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=20))
+
+
+@pytest.fixture(scope="module")
+def fuzz_target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz")
+    d = Daemon(make_store(root / "store", cpu_blocks=32), ServerSettings(
+        listen="127.0.0.1:0", sessions_dir=str(root), max_blocks=8, max_request_bytes=8 * P)).start()
+    seg = Segment(8 * P)
+    stub = raw(d)
+    aid = stub.Attach(pb.AttachRequest(name=seg.name, nonce=seg.nonce)).attachment
+    client = GrpcClient(url(d, "stream"))
+    put(client, hashes(6))
+    bell = Bell(d.doorbell.path, None, 10.0)
+    yield client, stub, aid, bell
+    bell.close()
+    client.close()
+    seg.close()
+    d.stop(grace_s=0)
+
+
+def _store_stream(ns, hs, data, resend_hashes):
+    """A Store request stream; later messages may wrongly repeat hashes."""
+    first = pb.StoreChunk(ns=ns, hashes=hs, data=data[0] if data else b"")
+    return [first] + [pb.StoreChunk(data=x, hashes=hs[:resend_hashes]) for x in data[1:]]
+
+
+def _requests(aid: str):
+    """(method, request) pairs, mostly malformed, for every kind of RPC."""
+    shm = st.builds(pb.ShmRequest, ns=_namespaces, hashes=_hashes, attachment=st.sampled_from([aid, aid, "", "bogus"]),
+                    offset=_mostly(st.integers(0, 2 * P), st.integers(0, 2**40)))
+    return st.one_of(
+        st.tuples(st.just("Lookup"), st.builds(pb.LookupRequest, ns=_maybe_ns, hashes=_hashes)),
+        st.tuples(st.just("Load"), st.builds(pb.LoadRequest, ns=_maybe_ns, hashes=_hashes)),
+        st.tuples(st.just("Store"), st.builds(_store_stream, _maybe_ns, _hashes, _data, st.integers(0, 1))),
+        st.tuples(st.sampled_from(["LoadShm", "StoreShm", "bell:LoadShm", "bell:StoreShm"]), shm),
+        st.tuples(st.just("Pin"), st.builds(pb.PinRequest, ns=_maybe_ns, hashes=_hashes, ttl_s=st.floats())),
+        st.tuples(st.just("SaveSession"), st.builds(pb.SaveSessionRequest, session=_session, ns=_maybe_ns,
+                                                    pin=st.booleans())),
+        st.tuples(st.just("ResumeSession"), st.builds(pb.ResumeSessionRequest, session_id=_text, ns=_maybe_ns,
+                                                      tenant=st.sampled_from(["", "acme", "../x"]))),
+        st.tuples(st.just("Attach"), st.builds(pb.AttachRequest, name=st.one_of(_text, st.just("tierkv-none")),
+                                               nonce=st.binary(max_size=20))),
+    )
+
+
+def _send(stub, bell, method: str, request):
+    if method.startswith("bell:"):  # the same call rung on the same-host doorbell
+        name = method.split(":")[1]
+        return bell.call(name, request, pb.LoadShmReply if name == "LoadShm" else pb.StoreReply)
+    rpc = getattr(stub, method)
+    if method == "Load":
+        return list(rpc(request))
+    return rpc(iter(request)) if method == "Store" else rpc(request)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_malformed_requests_never_crash_the_daemon_or_lose_blocks(fuzz_target, data):
+    client, stub, aid, bell = fuzz_target
+    method, request = data.draw(_requests(aid))
+    # any request gets an answer or a client-error status, never INTERNAL/UNKNOWN, on gRPC or the doorbell
+    try:
+        _send(stub, bell, method, request)
+    except grpc.RpcError as e:
+        assert e.code() in ANSWERS, (method, e.code(), e.details())
+    # and the blocks stored before are still there, intact
+    assert intact(client, hashes(6))
