@@ -32,6 +32,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default=None, help="require client certificates signed by this CA")
     p.add_argument("--sessions-dir", default=None, help="session manifests root (default: the disk tier's path)")
+    p.add_argument("--lane-port", default="0", metavar="PORT|off",
+                   help="TCP port of the raw-bytes data lane for streaming clients (default: any free port; "
+                        "'off': stream through gRPC only; never opened with TLS)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get at shutdown")
     p.add_argument("--workers", type=int, default=16, help="RPC worker threads")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
@@ -49,8 +52,16 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(listen=args.listen, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                               token_file=args.token_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
                               tls_client_ca=args.tls_client_ca, sessions_dir=args.sessions_dir,
-                              grace_s=args.grace, workers=args.workers)
+                              grace_s=args.grace, workers=args.workers, lane_port=_lane_port(args.lane_port))
     return serve(load_config(args.config), settings)
+
+
+def _lane_port(value: str) -> int | None:
+    if value == "off":
+        return None
+    if not value.isdigit() or int(value) > 65535:
+        raise SystemExit(f"--lane-port must be a port number or 'off', got {value!r}")
+    return int(value)
 
 
 def _url_arg(p: argparse.ArgumentParser) -> None:

@@ -22,6 +22,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,7 @@ from cache_service.metrics import Metrics
 from cache_service.server import ServerSettings, TierKVServicer
 from cache_service.sessions import SessionStore
 from cache_service.doorbell import Doorbell
+from cache_service.lane import HANDLERS
 from cache_service.shm import Attachments
 from cache_service.store import TieredStore
 from proto import tierkv_pb2 as pb
@@ -82,6 +84,7 @@ class Daemon:
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self.server)
         self.port = self._bind()
         self.doorbell: Doorbell | None = None
+        self.lane: Doorbell | None = None
         self.metrics_port: int | None = None
         self._stopped = threading.Event()
 
@@ -113,12 +116,29 @@ class Daemon:
             self.servicer.doorbell = self.doorbell.path
         except OSError as e:
             log.warning("no same-host doorbell socket (%s); shared-memory calls go through gRPC", e)
+        self.lane = self._open_lane()
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         fields = {"listen": self.address, "tls": bool(s.tls_cert), "auth": self.auth.enabled,
                   "metrics_port": self.metrics_port, "tiers": ",".join(t.name for t in self.store.tiers)}
         log.info("serving", extra={"fields": fields})
         return self
+
+    def _open_lane(self) -> Doorbell | None:
+        """The streamed data lane (cache_service/lane.py) on the listen host, unless off or TLS."""
+        s = self.settings
+        if s.lane_port is None or s.tls_cert:
+            return None
+        host = s.listen.rpartition(":")[0].strip("[]")
+        try:
+            listener = socket.create_server((host, s.lane_port), family=socket.AF_INET6 if ":" in host
+                                            else socket.AF_INET)
+        except OSError as e:
+            log.warning("no data lane on %s:%s (%s); streaming clients use gRPC", host, s.lane_port, e)
+            return None
+        lane = Doorbell(self.servicer, listener=listener, bulk=HANDLERS).start()
+        self.servicer.lane_port = listener.getsockname()[1]
+        return lane
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain and shut down (idempotent): see the module doc."""
@@ -128,9 +148,10 @@ class Daemon:
         grace = self.settings.grace_s if grace_s is None else grace_s
         log.info("draining", extra={"fields": {"grace_s": grace}})
         self.health.enter_graceful_shutdown()
-        self.servicer.doorbell = ""
-        if self.doorbell is not None:
-            self.doorbell.close(grace)
+        self.servicer.doorbell, self.servicer.lane_port = "", 0
+        for bell in (self.doorbell, self.lane):
+            if bell is not None:
+                bell.close(grace)
         self.server.stop(grace).wait()
         self.attachments.close()
         self.store.close()  # flushes background writes first

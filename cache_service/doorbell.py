@@ -30,9 +30,10 @@ from pathlib import Path
 
 import grpc
 
-from cache_service.rpc import call_as
+from cache_service.rpc import call_as, run_as
 from cache_service.wire import RequestError
 from proto import tierkv_pb2 as pb
+from tiers.arena import Arena
 
 log = logging.getLogger("tierkv.server")
 FRAME = struct.Struct("<IB")
@@ -70,16 +71,51 @@ def _exactly(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes | None:
     return bytes(buf)
 
 
-class Doorbell:
-    """The daemon end: a listening socket and one thread per connection."""
+class Connection:
+    """What a bulk op may keep between the calls of one connection."""
 
-    def __init__(self, servicer, max_connections: int = 256) -> None:
-        self.servicer, self.max_connections = servicer, max_connections
-        self._dir = Path(tempfile.mkdtemp(prefix="tierkv-bell-"))  # mode 0700
-        self.path = str(self._dir / "sock")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        os.chmod(self.path, 0o600)
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.arena = Arena()  # request-sized buffers, reused call after call
+        self.unread = False  # a bulk op stopped before reading its bytes: the stream is out of step
+
+    def send_part(self, reply, pieces) -> None:
+        """An OK frame and raw pieces ahead of a bulk op's last reply (which
+        `Doorbell` sends once the handler returns)."""
+        send(self.sock, grpc.StatusCode.OK.value[0], reply.SerializeToString())
+        for piece in pieces:
+            self.sock.sendall(piece)
+
+    def read_into(self, view: memoryview) -> None:
+        """Exactly len(view) raw bytes from the client."""
+        got = 0
+        while got < len(view):
+            k = self.sock.recv_into(view[got:])
+            if not k:  # answered as a cancelled call (nothing is kept of it), not as a daemon error
+                raise RequestError(grpc.StatusCode.CANCELLED, "the client went away mid-call")
+            got += k
+
+
+class Doorbell:
+    """The daemon end: a listening socket and one thread per connection.
+
+    By default a Unix socket in a private directory (`path`); given a bound
+    TCP `listener` it serves that instead (the streamed data lane,
+    cache_service/lane.py). `bulk` maps ops to (method name, handler): a
+    handler(servicer, Connection, body, tenant) reads any bytes that follow
+    its frame and returns (reply, pieces to send after the reply frame)."""
+
+    def __init__(self, servicer, listener: socket.socket | None = None, bulk: dict | None = None,
+                 max_connections: int = 256) -> None:
+        self.servicer, self.max_connections, self.bulk = servicer, max_connections, bulk or {}
+        self._dir, self.path = None, ""
+        if listener is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="tierkv-bell-"))  # mode 0700
+            self.path = str(self._dir / "sock")
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(self.path)
+            os.chmod(self.path, 0o600)
+        self._listener = listener
         self._listener.listen(64)
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
@@ -106,25 +142,35 @@ class Doorbell:
             t.start()
 
     def _serve(self, conn: socket.socket) -> None:
+        state = Connection(conn)
         try:
             tenant = self._hello(conn)
-            while tenant is not False:
+            while tenant is not False and not state.unread:
                 frame = receive(conn)
                 if frame is None:
                     break
-                op, body = frame
-                if op not in OPS:
-                    send(conn, grpc.StatusCode.UNIMPLEMENTED.value[0], f"doorbell: no op {op}".encode())
-                    continue
-                reply, code, msg = call_as(self.servicer, *OPS[op], body, tenant)
-                self.calls += 1
-                send(conn, code.value[0], reply.SerializeToString() if reply is not None else msg.encode())
+                self._answer(state, *frame, tenant)
         except OSError as e:  # the client went away (or close() shut the socket): nothing to answer
             log.debug("doorbell connection ended: %s", e)
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
             conn.close()
+
+    def _answer(self, state: Connection, op: int, body: bytes, tenant: str | None) -> None:
+        pieces: list = []
+        if op in self.bulk:
+            name, handler = self.bulk[op]
+            result, code, msg = run_as(self.servicer, name, tenant, lambda t: handler(self.servicer, state, body, t))
+            reply, pieces = result if result is not None else (None, [])
+        elif op in OPS:
+            reply, code, msg = call_as(self.servicer, *OPS[op], body, tenant)
+        else:
+            reply, code, msg = None, grpc.StatusCode.UNIMPLEMENTED, f"doorbell: no op {op}"
+        self.calls += 1
+        send(state.sock, code.value[0], reply.SerializeToString() if reply is not None else msg.encode())
+        for piece in pieces:
+            state.sock.sendall(piece)
 
     def _hello(self, conn: socket.socket) -> str | None | bool:
         """The connection's tenant, or False after refusing its HELLO."""
@@ -160,7 +206,8 @@ class Doorbell:
                 pass
         for t in conns.values():
             t.join(grace_s)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class BellError(grpc.RpcError):
@@ -181,12 +228,17 @@ class BellError(grpc.RpcError):
 class Bell:
     """The client end: one connection, one call at a time (callers lock)."""
 
-    def __init__(self, path: str, token: str | None, timeout_s: float) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def __init__(self, address: str | tuple[str, int], token: str | None, timeout_s: float) -> None:
+        """`address`: a Unix socket's path, or (host, port) of a TCP one."""
+        if isinstance(address, str):
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        else:
+            self._sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             self._sock.settimeout(timeout_s)
-            self._sock.connect(path)
-            self._ask(HELLO, (token or "").encode())
+            self._sock.connect(address)
+            self.ask(HELLO, (token or "").encode())
         except BaseException:
             self._sock.close()
             raise
@@ -194,11 +246,21 @@ class Bell:
     def call(self, name: str, request, reply_type):
         """One shared-memory call; the parsed reply, or BellError."""
         op = next(op for op, (n, _) in OPS.items() if n == name)
-        return reply_type.FromString(self._ask(op, request.SerializeToString()))
+        return reply_type.FromString(self.ask(op, request.SerializeToString()))
 
-    def _ask(self, op: int, body: bytes) -> bytes:
+    def ask(self, op: int, body: bytes, pieces=()) -> bytes:
+        """Send a frame (and `pieces` of raw bytes after it); the reply's body, or BellError."""
         try:
             send(self._sock, op, body)
+            for piece in pieces:
+                self._sock.sendall(piece)
+        except OSError as e:
+            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e or type(e).__name__}") from None
+        return self.reply()
+
+    def reply(self) -> bytes:
+        """The next reply frame's body (a bulk op may answer with several), or BellError."""
+        try:
             frame = receive(self._sock)
         except OSError as e:  # includes timeouts: the daemon may still be at work on the segment
             raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e or type(e).__name__}") from None
@@ -208,6 +270,18 @@ class Bell:
         if code != grpc.StatusCode.OK.value[0]:
             raise BellError(_CODES.get(code, grpc.StatusCode.UNKNOWN), body.decode("utf-8", "replace"))
         return body
+
+    def recv_into(self, view: memoryview) -> None:
+        """Exactly len(view) raw bytes that follow a reply (BellError if they do not come)."""
+        got = 0
+        try:
+            while got < len(view):
+                k = self._sock.recv_into(view[got:])
+                if not k:
+                    raise ConnectionError("connection closed mid-reply")
+                got += k
+        except OSError as e:
+            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e or type(e).__name__}") from None
 
     def close(self) -> None:
         self._sock.close()

@@ -191,3 +191,35 @@ def decode(obj: torch.Tensor, ns: Namespace, h: BlockHash, verify_payload: bool 
         raise CorruptBlockError("payload checksum mismatch")
     dtype = getattr(torch, ns.kv_dtype)
     return payload.view(dtype).view(ns.block_shape)
+
+
+def checked_rows(rows: torch.Tensor, sent_ns: Namespace, sent: Sequence[BlockHash]) -> list[int]:
+    """The payload checksums of ``[n, object_size]`` objects a client encoded
+    under its own (namespace, hashes), after checking them in full (all
+    headers compared at once, then every payload hashed). Raises
+    CorruptBlockError (with decode's diagnosis of the first bad object)."""
+    claims = claimed_checksums(rows, sent_ns, sent)
+    bad = next((i for i, c in enumerate(claims) if c is None), None)
+    if bad is None:
+        sums = checksums(list(rows[:, HEADER_SIZE:].unbind(0)))
+        bad = next((i for i, (c, s) in enumerate(zip(claims, sums)) if c != s), None)
+    if bad is not None:
+        decode(rows[bad], sent_ns, sent[bad], verify_payload=True)  # names what is wrong
+        raise CorruptBlockError("bad object header")  # pragma: no cover (decode raised)
+    return claims
+
+
+def rehead_rows(rows: torch.Tensor, ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int]) -> None:
+    """Write the headers of (ns, keys[i]) with payload checksum sums[i] over rows' headers."""
+    if len(keys):
+        heads = b"".join(header(ns, key, c) for key, c in zip(keys, sums))
+        rows[:, :HEADER_SIZE].copy_(torch.frombuffer(bytearray(heads), dtype=torch.uint8).view(-1, HEADER_SIZE))
+
+
+def adopt_rows(rows: torch.Tensor, sent_ns: Namespace, sent: list[BlockHash], ns: Namespace,
+               keys: list[BlockHash]) -> None:
+    """`checked_rows`, then the objects re-headed in place for the store's
+    (tenant namespace, keys) when those differ from what the client sent."""
+    sums = checked_rows(rows, sent_ns, sent)
+    if (sent_ns, list(sent)) != (ns, list(keys)):  # a tenant's keys: the payloads stay, only headers change
+        rehead_rows(rows, ns, keys, sums)

@@ -90,12 +90,21 @@ def call_as(servicer, method: str, request_type, body: bytes, tenant: str | None
     doorbell, cache_service/doorbell.py): the same status mapping, metrics
     and in-flight count as `rpc`. Returns (reply or None, code, message)."""
     def run(tenant: str | None):
-        try:
-            request = request_type.FromString(body)
-        except Exception:  # protobuf's DecodeError: a malformed body
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: malformed request") from None
-        return getattr(type(servicer), method).__wrapped__(servicer, request, None, tenant)
-    return _guarded(servicer, method, lambda: tenant, run)
+        return getattr(type(servicer), method).__wrapped__(servicer, parse(request_type, body, method), None, tenant)
+    return run_as(servicer, method, tenant, run)
+
+
+def run_as(servicer, method: str, tenant: str | None, fn):
+    """`call_as` for any callable: (fn(tenant), OK, "") or (None, code, message)."""
+    return _guarded(servicer, method, lambda: tenant, fn)
+
+
+def parse(request_type, body: bytes, method: str):
+    """A request parsed from its bytes; INVALID_ARGUMENT when they are malformed."""
+    try:
+        return request_type.FromString(body)
+    except Exception:  # protobuf's DecodeError
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: malformed request") from None
 
 
 def _guarded(servicer, method: str, tenant_of, body):

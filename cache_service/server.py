@@ -24,8 +24,7 @@ from cache_service.framing import (WIRE_VERSION, FramingError, ObjectReader, Sto
                                    object_pieces)
 from cache_service.keys import Namespace, prefix_hashes
 from cache_service.metrics import Metrics
-from cache_service.objects import HEADER_SIZE, checksums, claimed_checksums, decode, object_size
-from cache_service.objects import header as header_bytes
+from cache_service.objects import adopt_rows, object_size
 from cache_service.rpc import rpc
 from cache_service.sessions import SessionStore
 from cache_service.shm import DATA_OFFSET, Attachments, host_id
@@ -57,7 +56,8 @@ class ServerSettings:
     chunk_bytes: int = 1 * MiB  # payload bytes per streamed message
     max_request_bytes: int = 1024 * MiB  # payload bytes per Store / StoreShm
     max_blocks: int = 65536  # hashes per request
-    load_batch_bytes: int = 64 * MiB  # Load reads (and holds) this much at a time
+    load_batch_bytes: int = 64 * MiB  # Load reads (and holds) this much at a time; a lane call carries at most this
+    lane_port: int | None = 0  # the data lane (cache_service/lane.py): 0 any free port, None off; never with TLS
     workers: int = 16
     max_concurrent_rpcs: int = 256
     grace_s: float = 10.0  # SIGTERM: in-flight calls get this long to finish
@@ -91,6 +91,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         self.in_flight = 0  # RPCs being handled (rpc.py counts them); a drain waits for these
         self.in_flight_lock = threading.Lock()
         self.doorbell = ""  # the same-host socket for the shared-memory calls, once the daemon opened one
+        self.lane_port = 0  # the streamed data lane's TCP port, once the daemon opened one
 
     # ------------------------------------------------------------ helpers
     def _blocks(self, msg, tenant: str | None, need_ns: bool = True) -> tuple[Namespace | None, list[BlockHash]]:
@@ -129,7 +130,8 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         s = self.s
         return pb.HelloReply(version=VERSION, host_id=self.host_id, auth_required=self.auth.enabled,
                              tenant=tenant or "", max_message_bytes=s.max_message_bytes, chunk_bytes=s.chunk_bytes,
-                             max_request_bytes=s.max_request_bytes, max_blocks=s.max_blocks)
+                             max_request_bytes=s.max_request_bytes, max_blocks=s.max_blocks,
+                             lane_port=self.lane_port, lane_batch_bytes=s.load_batch_bytes)
 
     @rpc
     def Lookup(self, request, context, tenant):
@@ -229,7 +231,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, self.s.max_blocks)
         rows = region.view(len(keys), S)
         try:  # the client encoded the objects in place: check them in full, then one copy into the pool
-            _adopt(rows, sent_ns, sent, ns, keys)
+            adopt_rows(rows, sent_ns, sent, ns, keys)
         except CorruptBlockError as e:
             raise invalid(f"StoreShm: bad block object in shared memory ({e})") from None
         stored = self.store.store_objects(ns, keys, rows.unbind(0), verify=False)
@@ -293,22 +295,3 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         if s is not None:
             self.store.unpin(self._session_keys(request, tenant, s.token_ids))
         return pb.DeleteSessionReply(deleted=self.sessions.delete(request.session_id, owner))
-
-
-def _adopt(rows: torch.Tensor, sent_ns: Namespace, sent: list[BlockHash], ns: Namespace,
-           keys: list[BlockHash]) -> None:
-    """Check objects a client encoded under its own (namespace, hashes) in
-    full (all headers compared at once, then every payload hashed), then
-    re-head them in place for the store's (tenant namespace, keys). Raises
-    CorruptBlockError (with decode's diagnosis of the first bad object)."""
-    claims = claimed_checksums(rows, sent_ns, sent)
-    bad = next((i for i, c in enumerate(claims) if c is None), None)
-    if bad is None:
-        sums = checksums(list(rows[:, HEADER_SIZE:].unbind(0)))
-        bad = next((i for i, (c, s) in enumerate(zip(claims, sums)) if c != s), None)
-    if bad is not None:
-        decode(rows[bad], sent_ns, sent[bad], verify_payload=True)  # names what is wrong
-        raise CorruptBlockError("bad object header")  # pragma: no cover (decode raised)
-    if (sent_ns, sent) != (ns, keys) and rows.shape[0]:  # a tenant's keys: the payloads stay, only headers change
-        heads = b"".join(header_bytes(ns, key, c) for key, c in zip(keys, claims))
-        rows[:, :HEADER_SIZE].copy_(torch.frombuffer(bytearray(heads), dtype=torch.uint8).view(-1, HEADER_SIZE))

@@ -36,6 +36,7 @@ import torch
 from cache_service import framing
 from cache_service.auth import channel_credentials
 from cache_service.doorbell import Bell
+from cache_service.lane import LaneLink
 from cache_service.keys import Namespace
 from cache_service.objects import HEADER_SIZE, encode_rows, object_size
 from cache_service.shm import Segment, host_id
@@ -83,7 +84,8 @@ class GrpcClient:
         # reconnect within seconds after a daemon restart (grpc's default backoff grows to 2 minutes)
         options = [("grpc.max_receive_message_length", _RECEIVE_LIMIT), ("grpc.max_reconnect_backoff_ms", 5000)]
         tls_ca = tls_ca or q.get("ca") or os.environ.get("TIERKV_TLS_CA")
-        if q.get("tls", "0") not in ("0", "") or tls_ca:
+        tls = q.get("tls", "0") not in ("0", "") or bool(tls_ca)
+        if tls:
             creds = channel_credentials(tls_ca, q.get("cert"), q.get("key"))  # cert+key: mutual TLS
             self._channel = grpc.secure_channel(self.target, creds, options)
         else:
@@ -102,12 +104,16 @@ class GrpcClient:
         self._shm_lock = threading.Lock()
         self._last_log: dict[str, float] = {}
         self.sessions = RemoteSessions(self)  # connectors/grpc_sessions.py
+        self._lane: LaneLink | None = None
         try:
             self.hello = self._hello(connect_timeout_s)
             self.transport = self._pick(transport or q.get("transport", "auto"), shm_bytes)
         except BaseException:
             self.close()
             raise
+        if self.hello.lane_port and not tls:  # streamed bytes skip gRPC's stack (cache_service/lane.py)
+            self._lane = LaneLink(parts.hostname, self.hello.lane_port, self._token, self.timeout_s,
+                                  self.hello.lane_batch_bytes)
 
     # ------------------------------------------------------------ setup
     def _hello(self, timeout_s: float) -> pb.HelloReply:
@@ -292,6 +298,8 @@ class GrpcClient:
 
     def close(self) -> None:
         self._shm_bytes = 0  # no re-attaching after this
+        if self._lane is not None:
+            self._lane.close()
         seg, self._shm = self._shm, None
         if self._bell is not None:
             self._bell.close()
@@ -347,8 +355,12 @@ class GrpcClient:
             return self._shm_call("StoreShm", req, pb.StoreReply).stored
 
     def _load_stream(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
-        """Whole objects, each copied once out of its message and checked
-        (header and checksum): a corrupt block is a miss."""
+        """Whole objects, checked (header and checksum; a corrupt block is a
+        miss): over the daemon's data lane when it has one, else each copied
+        once out of its gRPC message."""
+        got = self._lane.load(ns, list(hashes)) if self._lane is not None else None
+        if got is not None:
+            return got
         reader = framing.LoadReader(ns, hashes)
         try:
             for sizes, data in self._load_rpc(pb.LoadRequest(ns=_ns(ns), hashes=list(hashes)),
@@ -363,8 +375,11 @@ class GrpcClient:
         return out
 
     def _store_stream(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
-        """Whole objects, checksummed here and copied once into their messages;
-        the daemon checks each and stores it from the message."""
+        """Whole objects, checksummed here: over the data lane straight from the
+        payloads, else copied once into gRPC messages; the daemon checks each."""
+        stored = self._lane.store(ns, list(hashes), list(payloads)) if self._lane is not None else None
+        if stored is not None:
+            return stored
         head = pb.StoreChunk(ns=_ns(ns), hashes=list(hashes)).SerializeToString()
         objects = (framing.encode_pieces(ns, h, p) for h, p in zip(hashes, payloads))
         requests = framing.store_messages(head, objects, object_size(ns), self.hello.chunk_bytes)

@@ -37,7 +37,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("version", "host_id", "auth_required", "tenant", "max_message_bytes", "chunk_bytes", "max_request_bytes", "max_blocks")
+    __slots__ = ("version", "host_id", "auth_required", "tenant", "max_message_bytes", "chunk_bytes", "max_request_bytes", "max_blocks", "lane_port", "lane_batch_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,8 @@ class HelloReply(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LANE_PORT_FIELD_NUMBER: _ClassVar[int]
+    LANE_BATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     host_id: str
     auth_required: bool
@@ -54,7 +56,9 @@ class HelloReply(_message.Message):
     chunk_bytes: int
     max_request_bytes: int
     max_blocks: int
-    def __init__(self, version: _Optional[str] = ..., host_id: _Optional[str] = ..., auth_required: _Optional[bool] = ..., tenant: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_blocks: _Optional[int] = ...) -> None: ...
+    lane_port: int
+    lane_batch_bytes: int
+    def __init__(self, version: _Optional[str] = ..., host_id: _Optional[str] = ..., auth_required: _Optional[bool] = ..., tenant: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_blocks: _Optional[int] = ..., lane_port: _Optional[int] = ..., lane_batch_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("ns", "hashes")

@@ -38,6 +38,10 @@ class Arena:
 
     def rows(self, n: int, size: int) -> list[torch.Tensor]:
         """n uint8 rows of `size` bytes, spaced evenly in one allocation."""
+        return list(self.matrix(n, size).unbind(0))
+
+    def matrix(self, n: int, size: int) -> torch.Tensor:
+        """The same rows as one [n, size] uint8 tensor."""
         need = n * size
         with self._lock:  # the check and the views that make it busy happen together
             buf = self._buf
@@ -45,4 +49,4 @@ class Arena:
                 buf = torch.empty(need, dtype=torch.uint8)
                 if need <= self.max_bytes and can_count_users():
                     self._buf = buf
-            return list(buf[:need].view(n, size).unbind(0))
+            return buf[:need].view(n, size)

@@ -64,8 +64,8 @@ def test_bad_frames_get_status_codes_and_never_crash_the_daemon(start):
         bell = Bell(d.doorbell.path, None, 5.0)
         try:
             # a malformed body and an unknown op are refused; the connection goes on
-            assert _refused(lambda: bell._ask(doorbell.LOAD_SHM, b"\xff\xff\xff"))[0] == Code.INVALID_ARGUMENT
-            assert _refused(lambda: bell._ask(99, b""))[0] == Code.UNIMPLEMENTED
+            assert _refused(lambda: bell.ask(doorbell.LOAD_SHM, b"\xff\xff\xff"))[0] == Code.INVALID_ARGUMENT
+            assert _refused(lambda: bell.ask(99, b""))[0] == Code.UNIMPLEMENTED
             req = pb.ShmRequest(ns=ns_to_pb(NS), hashes=hashes(4), attachment="nope")
             assert _refused(lambda: bell.call("LoadShm", req, pb.LoadShmReply))[0] == Code.NOT_FOUND
         finally:

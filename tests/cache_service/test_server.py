@@ -89,11 +89,16 @@ def scrape(d: Daemon) -> dict:
 
 
 # ------------------------------------------------------------------ data paths
-@pytest.mark.parametrize("transport", ["shm", "stream"])
+# "stream" goes over the daemon's data lane (cache_service/lane.py), "grpc" streams through gRPC (no lane)
+TRANSPORTS = {"shm": ("shm", {}), "stream": ("stream", {}), "grpc": ("stream", {"lane_port": None})}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_round_trip_through_each_transport(start, transport):
-    d = start()
+    transport, settings = TRANSPORTS[transport]
+    d = start(**settings)
     with GrpcClient(url(d, transport)) as c:
-        assert c.transport == transport
+        assert c.transport == transport and (c._lane is None) == ("lane_port" in settings)
         hs = hashes(10)
         # store eight blocks; the daemon holds that prefix
         assert put(c, hs[:8]) == 8
@@ -107,10 +112,11 @@ def test_round_trip_through_each_transport(start, transport):
         assert c.stats()["cpu"]["hits"] >= 16
 
 
-@pytest.mark.parametrize("transport", ["shm", "stream"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_batches_larger_than_a_message_or_segment(start, transport):
-    # tiny chunks, read groups and segment: every batch boundary is crossed
-    d = start(cpu_blocks=128, chunk_bytes=1000, load_batch_bytes=3 * P)
+    # tiny chunks, read groups, lane calls and segment: every batch boundary is crossed
+    transport, settings = TRANSPORTS[transport]
+    d = start(cpu_blocks=128, chunk_bytes=1000, load_batch_bytes=3 * P, **settings)
     with GrpcClient(url(d, transport), shm_bytes=5 * P) as c:
         hs = hashes(40)
         assert put(c, hs) == 40
@@ -240,6 +246,10 @@ def test_tls_with_a_self_signed_certificate(start, tmp_path):
     d = start(listen="localhost:0", tls_cert=str(cert), tls_key=str(key))
     with GrpcClient(f"grpc://localhost:{d.port}?tls=1&ca={cert}") as c:
         assert put(c, hashes(2)) == 2 and intact(c, hashes(2))
+    # the plaintext data lane is not opened next to TLS: streamed bytes stay inside it
+    assert d.lane is None and d.servicer.lane_port == 0
+    with GrpcClient(f"grpc://localhost:{d.port}?tls=1&ca={cert}&transport=stream") as c:
+        assert c._lane is None and put(c, hashes(3)) == 1 and intact(c, hashes(3))
     # a plaintext client cannot talk to it
     with pytest.raises(TierUnavailableError):
         GrpcClient(f"grpc://localhost:{d.port}", connect_timeout_s=1)

@@ -1,5 +1,5 @@
 """Fuzzing a live daemon: hypothesis-generated requests, mostly malformed,
-through gRPC and the same-host doorbell; every one is answered with a
+through gRPC, the same-host doorbell and the data lane; every one is answered with a
 client-error status at worst, and the blocks stored before stay intact."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from cache_service.daemon import Daemon
 from cache_service.doorbell import Bell
+from cache_service.lane import LOAD
 from cache_service.server import ServerSettings
 from cache_service.shm import Segment
 from cache_service.wire import ns_to_pb
@@ -57,7 +58,7 @@ def fuzz_target(tmp_path_factory):
     client = GrpcClient(url(d, "stream"))
     put(client, hashes(6))
     bell = Bell(d.doorbell.path, None, 10.0)
-    yield client, stub, aid, bell
+    yield client, stub, aid, bell, d.servicer.lane_port
     bell.close()
     client.close()
     seg.close()
@@ -76,7 +77,7 @@ def _requests(aid: str):
                     offset=_mostly(st.integers(0, 2 * P), st.integers(0, 2**40)))
     return st.one_of(
         st.tuples(st.just("Lookup"), st.builds(pb.LookupRequest, ns=_maybe_ns, hashes=_hashes)),
-        st.tuples(st.just("Load"), st.builds(pb.LoadRequest, ns=_maybe_ns, hashes=_hashes)),
+        st.tuples(st.sampled_from(["Load", "lane:Load"]), st.builds(pb.LoadRequest, ns=_maybe_ns, hashes=_hashes)),
         st.tuples(st.just("Store"), st.builds(_store_stream, _maybe_ns, _hashes, _data, st.integers(0, 1))),
         st.tuples(st.sampled_from(["LoadShm", "StoreShm", "bell:LoadShm", "bell:StoreShm"]), shm),
         st.tuples(st.just("Pin"), st.builds(pb.PinRequest, ns=_maybe_ns, hashes=_hashes, ttl_s=st.floats())),
@@ -89,7 +90,13 @@ def _requests(aid: str):
     )
 
 
-def _send(stub, bell, method: str, request):
+def _send(stub, bell, lane_port: int, method: str, request):
+    if method == "lane:Load":  # the data lane, on a connection of its own (the objects after the reply are left)
+        lane = Bell(("127.0.0.1", lane_port), None, 10.0)
+        try:
+            return lane.ask(LOAD, request.SerializeToString())
+        finally:
+            lane.close()
     if method.startswith("bell:"):  # the same call rung on the same-host doorbell
         name = method.split(":")[1]
         return bell.call(name, request, pb.LoadShmReply if name == "LoadShm" else pb.StoreReply)
@@ -102,11 +109,11 @@ def _send(stub, bell, method: str, request):
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_malformed_requests_never_crash_the_daemon_or_lose_blocks(fuzz_target, data):
-    client, stub, aid, bell = fuzz_target
+    client, stub, aid, bell, lane_port = fuzz_target
     method, request = data.draw(_requests(aid))
-    # any request gets an answer or a client-error status, never INTERNAL/UNKNOWN, on gRPC or the doorbell
+    # any request gets an answer or a client-error status, never INTERNAL/UNKNOWN, on gRPC, the doorbell or the lane
     try:
-        _send(stub, bell, method, request)
+        _send(stub, bell, lane_port, method, request)
     except grpc.RpcError as e:
         assert e.code() in ANSWERS, (method, e.code(), e.details())
     # and the blocks stored before are still there, intact

@@ -1,0 +1,139 @@
+"""The streamed data lane: Load and Store as raw bytes over TCP, with gRPC's
+auth, tenants and status codes; bad bytes store nothing; gRPC takes over
+when the lane is off or breaks."""
+from __future__ import annotations
+
+import socket
+import time
+
+import grpc
+import pytest
+
+from cache_service import doorbell
+from cache_service.doorbell import BellError
+from cache_service.lane import LOAD, STORE, Lane
+from cache_service.objects import HEADER_SIZE, encode, object_size
+from cache_service.wire import ns_to_pb
+from connectors.grpc_client import GrpcClient
+from proto import tierkv_pb2 as pb
+from tests.cache_service.store_helpers import NS, hashes, payload_for, same
+from tests.cache_service.test_server import TOKENS, intact, put, start, url  # noqa: F401 (fixture)
+
+Code = grpc.StatusCode
+S = object_size(NS)
+
+
+def _lane(d, token: str | None = None) -> Lane:
+    return Lane("127.0.0.1", d.servicer.lane_port, token, 10.0, 64 * S)
+
+
+def _refused(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(BellError) as e:
+        fn()
+    return e.value.code(), e.value.details()
+
+
+def test_streaming_clients_move_bytes_over_the_lane(start):
+    d = start()
+    with GrpcClient(url(d, "stream")) as c:
+        # the daemon announced its lane; a store and a load go over it, not over gRPC
+        assert c.hello.lane_port == d.servicer.lane_port > 0
+        hs = hashes(12)
+        assert put(c, hs) == 12 and intact(c, hs)
+        assert d.lane.calls == 2
+        # misses keep their positions
+        assert [p is not None for p in c.load(NS, [hs[0], *hashes(2, start=900), hs[5]])] == [True, False, False, True]
+
+
+def test_no_lane_when_turned_off(start):
+    # lane_port None: Hello announces none and the client streams through gRPC
+    d = start(lane_port=None)
+    assert d.lane is None and d.servicer.lane_port == 0
+    with GrpcClient(url(d, "stream")) as c:
+        assert c._lane is None and put(c, hashes(3)) == 3 and intact(c, hashes(3))
+
+
+def test_the_lane_checks_tokens_and_keeps_tenants_apart(start):
+    d = start(auth=True)
+    # no token or a wrong one: refused at HELLO
+    assert _refused(lambda: _lane(d))[0] == Code.UNAUTHENTICATED
+    assert _refused(lambda: _lane(d, "not-a-token-at-all"))[0] == Code.UNAUTHENTICATED
+    acme, globex = _lane(d, TOKENS["acme"]), _lane(d, TOKENS["globex"])
+    try:
+        # acme's blocks: found by acme under its own hashes, never by globex with the same hashes
+        hs = hashes(4)
+        assert acme.store(NS, hs, [payload_for(h) for h in hs]) == 4
+        assert all(same(p, payload_for(h)) for p, h in zip(acme.load(NS, hs), hs))
+        assert globex.load(NS, hs) == [None] * 4
+        # naming acme's namespace does not help globex
+        evil = pb.LoadRequest(ns=ns_to_pb(NS.with_tenant("acme")), hashes=hs).SerializeToString()
+        code, why = _refused(lambda: globex._bell.ask(LOAD, evil))
+        assert code == Code.PERMISSION_DENIED and "tenant" in why
+    finally:
+        acme.close()
+        globex.close()
+
+
+def test_a_bad_object_stores_nothing_and_the_connection_goes_on(start):
+    d = start()
+    lane = _lane(d)
+    try:
+        hs = hashes(3)
+        objs = [encode(NS, h, payload_for(h)) for h in hs]
+        objs[1][HEADER_SIZE + 7] ^= 1  # one payload bit flipped after encoding
+        head = pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs).SerializeToString()
+        code, why = _refused(lambda: lane._bell.ask(STORE, head, [o.numpy() for o in objs]))
+        assert code == Code.INVALID_ARGUMENT and "checksum" in why
+        assert d.store.lookup(hs) == 0
+        # the daemon read the whole call, so the same connection serves the next one
+        assert lane.store(NS, hs, [payload_for(h) for h in hs]) == 3
+        assert all(same(p, payload_for(h)) for p, h in zip(lane.load(NS, hs), hs))
+    finally:
+        lane.close()
+
+
+def test_calls_past_the_batch_size_are_refused_and_clients_split_them(start):
+    d = start(cpu_blocks=64, load_batch_bytes=3 * S)
+    # a raw call over the batch size: RESOURCE_EXHAUSTED
+    lane = _lane(d)
+    try:
+        big = pb.LoadRequest(ns=ns_to_pb(NS), hashes=hashes(4)).SerializeToString()
+        assert _refused(lambda: lane._bell.ask(LOAD, big))[0] == Code.RESOURCE_EXHAUSTED
+    finally:
+        lane.close()
+    # the client splits by the batch size the daemon announced
+    with GrpcClient(url(d, "stream")) as c:
+        assert c.hello.lane_batch_bytes == 3 * S
+        assert put(c, hashes(10)) == 10 and intact(c, hashes(10))
+
+
+def test_a_client_vanishing_mid_store_stores_nothing(start):
+    d = start()
+    hs = hashes(4)
+    head = pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs).SerializeToString()
+    # HELLO, the STORE frame and half the objects, then the client is gone
+    with socket.create_connection(("127.0.0.1", d.servicer.lane_port), timeout=10) as s:
+        doorbell.send(s, doorbell.HELLO, b"")
+        assert doorbell.receive(s)[0] == 0
+        doorbell.send(s, STORE, head)
+        s.sendall(b"".join(encode(NS, h, payload_for(h)).numpy().tobytes() for h in hs[:2]))
+    # nothing stored (the call counts as cancelled, not as a daemon error), and the lane still serves others
+    deadline = time.monotonic() + 5
+    while d.lane.calls < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.store.lookup(hs) == 0
+    with GrpcClient(url(d, "stream")) as c:
+        assert put(c, hs) == 4 and intact(c, hs)
+
+
+def test_a_broken_lane_is_one_miss_then_grpc_carries_the_calls(start):
+    d = start()
+    with GrpcClient(url(d, "stream")) as c:
+        hs = hashes(4)
+        assert put(c, hs) == 4
+        # the daemon's lane goes away (its connections with it)
+        d.lane.close(grace_s=1.0)
+        # the call in the way is a miss, not an error in the caller
+        assert c.load(NS, hs) == [None] * 4 and c.errors == 1
+        # until the lane is tried again, streaming goes through gRPC
+        assert intact(c, hs) and put(c, hashes(2, start=50)) == 2
