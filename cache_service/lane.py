@@ -134,15 +134,17 @@ class Lane:
         return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
     def load(self, ns: Namespace, hashes: list[BlockHash]) -> list[torch.Tensor | None]:
-        """Verified payloads (views of one buffer per call), None per miss."""
+        """Verified payloads, None per miss: views of one buffer for the whole
+        load (reused by a later load once the caller dropped them)."""
+        rows = self._arena.matrix(len(hashes), object_size(ns))
         out: list[torch.Tensor | None] = []
         for r in self._parts(len(hashes), ns):
-            out += self._load(ns, hashes[r.start:r.stop])
+            out += self._load(ns, hashes[r.start:r.stop], rows[r.start:r.stop])
         return out
 
-    def _load(self, ns: Namespace, hashes: list[BlockHash]) -> list[torch.Tensor | None]:
+    def _load(self, ns: Namespace, hashes: list[BlockHash], rows: torch.Tensor) -> list[torch.Tensor | None]:
+        """One call; its hits land at the front of `rows`, in request order."""
         S = object_size(ns)
-        rows = self._arena.matrix(len(hashes), S)  # hits land at the front, in request order
         body = self._bell.ask(LOAD, pb.LoadRequest(ns=ns_to_pb(ns), hashes=hashes).SerializeToString())
         sizes: list[int] = []
         found: list[int] = []
