@@ -26,6 +26,7 @@ import socket
 import struct
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -40,6 +41,9 @@ FRAME = struct.Struct("<IB")
 HELLO, LOAD_SHM, STORE_SHM = 0, 1, 2
 OPS = {LOAD_SHM: ("LoadShm", pb.ShmRequest), STORE_SHM: ("StoreShm", pb.ShmRequest)}
 MAX_BODY = 16 << 20  # a ShmRequest of the daemon's max_blocks hashes is ~1.2 MB
+HELLO_BODY = 4096  # what a peer may send before it has shown a token
+HELLO_TIMEOUT_S = 10.0  # for the HELLO, and for the bytes of a call once its frame came
+CALL_TIMEOUT_S = 120.0
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -47,14 +51,14 @@ def send(sock: socket.socket, tag: int, body: bytes) -> None:
     sock.sendall(FRAME.pack(len(body), tag) + body)
 
 
-def receive(sock: socket.socket) -> tuple[int, bytes] | None:
+def receive(sock: socket.socket, max_body: int = MAX_BODY) -> tuple[int, bytes] | None:
     """(tag, body) of the next frame; None when the peer closed between frames."""
     head = _exactly(sock, FRAME.size, eof_ok=True)
     if head is None:
         return None
     n, tag = FRAME.unpack(head)
-    if n > MAX_BODY:
-        raise ConnectionError(f"doorbell frame of {n} bytes exceeds {MAX_BODY}")
+    if n > max_body:
+        raise ConnectionError(f"doorbell frame of {n} bytes exceeds {max_body}")
     return tag, _exactly(sock, n)
 
 
@@ -78,22 +82,37 @@ class Connection:
         self.sock = sock
         self.arena = Arena()  # request-sized buffers, reused call after call
         self.unread = False  # a bulk op stopped before reading its bytes: the stream is out of step
+        self.busy = False  # answering a call (close() lets it finish)
 
     def send_part(self, reply, pieces) -> None:
         """An OK frame and raw pieces ahead of a bulk op's last reply (which
         `Doorbell` sends once the handler returns)."""
-        send(self.sock, grpc.StatusCode.OK.value[0], reply.SerializeToString())
-        for piece in pieces:
-            self.sock.sendall(piece)
+        try:
+            send(self.sock, grpc.StatusCode.OK.value[0], reply.SerializeToString())
+            for piece in pieces:
+                self.sock.sendall(piece)
+        except OSError as e:  # a cancelled call (the client left), not a daemon error
+            raise RequestError(grpc.StatusCode.CANCELLED, f"the client went away mid-call ({e})") from None
 
     def read_into(self, view: memoryview) -> None:
         """Exactly len(view) raw bytes from the client."""
         got = 0
-        while got < len(view):
-            k = self.sock.recv_into(view[got:])
-            if not k:  # answered as a cancelled call (nothing is kept of it), not as a daemon error
-                raise RequestError(grpc.StatusCode.CANCELLED, "the client went away mid-call")
-            got += k
+        try:
+            while got < len(view):
+                k = self.sock.recv_into(view[got:])
+                if not k:
+                    raise ConnectionError("connection closed")
+                got += k
+        except OSError as e:  # answered as a cancelled call (nothing is kept of it), not as a daemon error
+            raise RequestError(grpc.StatusCode.CANCELLED, f"the client went away mid-call ({e})") from None
+
+    def discard(self, nbytes: int) -> None:
+        """Read and drop the nbytes a refused call's frame announced, so the connection stays in step."""
+        scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+        while nbytes > 0:
+            self.read_into(scratch[:min(nbytes, len(scratch))])
+            nbytes -= len(scratch)
+        self.unread = False
 
 
 class Doorbell:
@@ -108,6 +127,7 @@ class Doorbell:
     def __init__(self, servicer, listener: socket.socket | None = None, bulk: dict | None = None,
                  max_connections: int = 256) -> None:
         self.servicer, self.max_connections, self.bulk = servicer, max_connections, bulk or {}
+        self.ops = OPS if listener is None else {}  # the shared-memory calls: same host only
         self._dir, self.path = None, ""
         if listener is None:
             self._dir = Path(tempfile.mkdtemp(prefix="tierkv-bell-"))  # mode 0700
@@ -117,7 +137,7 @@ class Doorbell:
             os.chmod(self.path, 0o600)
         self._listener = listener
         self._listener.listen(64)
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._conns: dict[socket.socket, tuple[threading.Thread, Connection]] = {}
         self._lock = threading.Lock()
         self._closing = False
         self.calls = 0  # calls answered (tests, stats)
@@ -131,25 +151,35 @@ class Doorbell:
         while True:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:  # closed by close()
-                return
+            except OSError as e:
+                if self._closing:
+                    return
+                log.warning("doorbell: accept failed (%s); retrying", e)  # EMFILE, ECONNABORTED, ...
+                time.sleep(0.1)
+                continue
             with self._lock:
                 if self._closing or len(self._conns) >= self.max_connections:
                     conn.close()
                     continue
-                t = threading.Thread(target=self._serve, args=(conn,), name="tierkv-bell-conn", daemon=True)
-                self._conns[conn] = t
-            t.start()
+                state = Connection(conn)
+                t = threading.Thread(target=self._serve, args=(state,), name="tierkv-bell-conn", daemon=True)
+                self._conns[conn] = (t, state)
+                t.start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        state = Connection(conn)
+    def _serve(self, state: Connection) -> None:
+        conn = state.sock
         try:
+            conn.settimeout(HELLO_TIMEOUT_S)
             tenant = self._hello(conn)
-            while tenant is not False and not state.unread:
+            while tenant is not False and not state.unread and not self._closing:
+                conn.settimeout(None)  # idle between calls as long as the client likes
                 frame = receive(conn)
                 if frame is None:
                     break
+                conn.settimeout(CALL_TIMEOUT_S)
+                state.busy = True
                 self._answer(state, *frame, tenant)
+                state.busy = False
         except OSError as e:  # the client went away (or close() shut the socket): nothing to answer
             log.debug("doorbell connection ended: %s", e)
         finally:
@@ -163,18 +193,20 @@ class Doorbell:
             name, handler = self.bulk[op]
             result, code, msg = run_as(self.servicer, name, tenant, lambda t: handler(self.servicer, state, body, t))
             reply, pieces = result if result is not None else (None, [])
-        elif op in OPS:
-            reply, code, msg = call_as(self.servicer, *OPS[op], body, tenant)
-        else:
-            reply, code, msg = None, grpc.StatusCode.UNIMPLEMENTED, f"doorbell: no op {op}"
-        self.calls += 1
+        elif op in self.ops:
+            reply, code, msg = call_as(self.servicer, *self.ops[op], body, tenant)
+        else:  # bytes of its own may follow it: the connection ends after the answer
+            reply, code, msg = None, grpc.StatusCode.UNIMPLEMENTED, f"doorbell: no op {op} here"
+            state.unread = True
+        with self._lock:
+            self.calls += 1
         send(state.sock, code.value[0], reply.SerializeToString() if reply is not None else msg.encode())
         for piece in pieces:
             state.sock.sendall(piece)
 
     def _hello(self, conn: socket.socket) -> str | None | bool:
         """The connection's tenant, or False after refusing its HELLO."""
-        frame = receive(conn)
+        frame = receive(conn, HELLO_BODY)
         if frame is None:
             return False
         op, body = frame
@@ -183,7 +215,9 @@ class Doorbell:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "doorbell: the first frame must be HELLO")
             token = body.decode("utf-8", "replace")
             tenant = self.servicer.auth.tenant_of([("authorization", f"Bearer {token}")] if token else [])
-        except RequestError as e:
+        except RequestError as e:  # counted and logged as gRPC's interceptor does a refused token
+            self.servicer.metrics.observe("Hello", None, e.code, 0.0)
+            log.info("doorbell refused a connection", extra={"fields": {"code": e.code.name, "error": str(e)}})
             send(conn, e.code.value[0], str(e).encode())
             return False
         send(conn, grpc.StatusCode.OK.value[0], b"")
@@ -199,13 +233,15 @@ class Doorbell:
         except OSError:
             pass
         self._listener.close()
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RD)  # a thread waiting for a frame wakes up; one mid-call answers first
-            except OSError:
-                pass
-        for t in conns.values():
-            t.join(grace_s)
+        for conn, (_, state) in conns.items():
+            if not state.busy:  # a thread waiting for a frame wakes up; one mid-call finishes it first
+                try:
+                    conn.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for t, _ in conns.values():
+            t.join(max(0.0, deadline - time.monotonic()))
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -228,17 +264,20 @@ class BellError(grpc.RpcError):
 class Bell:
     """The client end: one connection, one call at a time (callers lock)."""
 
-    def __init__(self, address: str | tuple[str, int], token: str | None, timeout_s: float) -> None:
+    def __init__(self, address: str | tuple[str, int], token: str | None, timeout_s: float,
+                 connect_timeout_s: float | None = None) -> None:
         """`address`: a Unix socket's path, or (host, port) of a TCP one."""
+        connect_timeout_s = connect_timeout_s or timeout_s
         if isinstance(address, str):
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.settimeout(connect_timeout_s)
+            self._sock.connect(address)
         else:
-            self._sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
+            self._sock = socket.create_connection(address, timeout=connect_timeout_s)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            self._sock.settimeout(timeout_s)
-            self._sock.connect(address)
             self.ask(HELLO, (token or "").encode())
+            self._sock.settimeout(timeout_s)
         except BaseException:
             self._sock.close()
             raise
@@ -246,7 +285,11 @@ class Bell:
     def call(self, name: str, request, reply_type):
         """One shared-memory call; the parsed reply, or BellError."""
         op = next(op for op, (n, _) in OPS.items() if n == name)
-        return reply_type.FromString(self.ask(op, request.SerializeToString()))
+        body = self.ask(op, request.SerializeToString())
+        try:
+            return reply_type.FromString(body)
+        except Exception:  # protobuf's DecodeError: the connection cannot be trusted any more
+            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: malformed {name} reply") from None
 
     def ask(self, op: int, body: bytes, pieces=()) -> bytes:
         """Send a frame (and `pieces` of raw bytes after it); the reply's body, or BellError."""

@@ -64,6 +64,14 @@ def _groups(n: int, object_bytes: int) -> list[range]:
     return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
 
+def _announced_bytes(head: pb.StoreChunk) -> int | None:
+    """The object bytes a STORE frame says follow it, if its namespace parses."""
+    try:
+        return len(head.hashes) * object_size(ns_from_pb(head.ns))
+    except Exception:  # a namespace that does not parse: the size is unknown
+        return None
+
+
 def serve_load(servicer, conn: Connection, body: bytes, tenant: str | None):
     """LOAD, group by group: (sizes, the hits' objects as the client named them)."""
     request = parse(pb.LoadRequest, body, "Load")
@@ -94,9 +102,15 @@ def serve_store(servicer, conn: Connection, body: bytes, tenant: str | None):
     while the client sends the next; store them all, or nothing if one is bad."""
     conn.unread = True  # until the objects are read, an error leaves them in the stream
     head = parse(pb.StoreChunk, body, "Store")
-    ns, keys = servicer._blocks(head, tenant)
-    _bounded(servicer, len(keys), ns)
-    total = servicer._check_request_bytes(len(keys), ns)
+    try:
+        ns, keys = servicer._blocks(head, tenant)
+        _bounded(servicer, len(keys), ns)
+        total = servicer._check_request_bytes(len(keys), ns)
+    except RequestError:  # refused before reading: drop the objects that follow when their size is known and sane
+        follows = _announced_bytes(head)
+        if follows is not None and follows <= servicer.s.load_batch_bytes:
+            conn.discard(follows)
+        raise
     sent_ns, sent = ns_from_pb(head.ns), hashes_from_pb(head.hashes, servicer.s.max_blocks)
     rows = conn.arena.matrix(len(keys), object_size(ns))
     sums: list[int] = []
@@ -124,7 +138,8 @@ class Lane:
     """The client end: one TCP connection, one call at a time (callers lock)."""
 
     def __init__(self, host: str, port: int, token: str | None, timeout_s: float, batch_bytes: int) -> None:
-        self._bell = Bell((host, port), token, timeout_s)
+        # a port the client cannot reach (a firewall, a proxy in front of gRPC only) costs seconds, not timeout_s
+        self._bell = Bell((host, port), token, timeout_s, connect_timeout_s=min(timeout_s, 3.0))
         self.batch_bytes = batch_bytes
         self._arena = Arena()
         self.corrupt = 0  # loaded blocks that failed their checks (treated as misses)
@@ -212,35 +227,44 @@ class LaneLink:
         self._args = (host, port, token, timeout_s, batch_bytes)
         self.retry_s = retry_s
         self._lane: Lane | None = None
-        self._retry_at = 0.0
+        self._retry_at, self._failures = 0.0, 0
         self._lock = threading.Lock()
 
     def load(self, ns: Namespace, hashes: list[BlockHash]) -> list[torch.Tensor | None] | None:
-        """As `Lane.load`; None when no connection can be had now (use gRPC)."""
-        return self._run(lambda lane: lane.load(ns, hashes))
+        """As `Lane.load`; None when the lane cannot carry it now (use gRPC)."""
+        return self._run(ns, lambda lane: lane.load(ns, hashes))
 
     def store(self, ns: Namespace, hashes: list[BlockHash], payloads: list[torch.Tensor]) -> int | None:
-        """As `Lane.store`; None when no connection can be had now (use gRPC)."""
-        return self._run(lambda lane: lane.store(ns, hashes, payloads))
+        """As `Lane.store`; None when the lane cannot carry it now (use gRPC)."""
+        return self._run(ns, lambda lane: lane.store(ns, hashes, payloads))
 
-    def _run(self, call):
+    def _run(self, ns: Namespace, call):
+        if object_size(ns) > self._args[4]:  # one block past the lane's batch: only gRPC takes it
+            return None
         with self._lock:
             if self._lane is None and time.monotonic() >= self._retry_at:
-                try:
-                    self._lane = Lane(*self._args)
-                except (OSError, grpc.RpcError) as e:
-                    self._retry_at = time.monotonic() + self.retry_s
-                    log.info("tierkv data lane %s:%s unusable (%s); streaming through gRPC", *self._args[:2], e)
+                self._connect()
             if self._lane is None:
                 return None
             try:
                 return call(self._lane)
-            except grpc.RpcError as e:
+            except Exception as e:  # any failure leaves the connection out of step: drop it
                 self._lane.close()
                 self._lane = None
+                if not isinstance(e, grpc.RpcError):
+                    e = BellError(grpc.StatusCode.UNAVAILABLE, f"data lane: {type(e).__name__}: {e}")
                 broke = e.code() == grpc.StatusCode.UNAVAILABLE
                 self._retry_at = time.monotonic() + (self.retry_s if broke else 0.0)
-                raise
+                raise e from None
+
+    def _connect(self) -> None:
+        try:
+            self._lane = Lane(*self._args)
+            self._failures = 0
+        except (OSError, grpc.RpcError) as e:  # tried again later, less often each time (up to 5 minutes)
+            self._failures += 1
+            self._retry_at = time.monotonic() + min(300.0, self.retry_s * 2 ** (self._failures - 1))
+            log.info("tierkv data lane %s:%s unusable (%s); streaming through gRPC", *self._args[:2], e)
 
     def close(self) -> None:
         with self._lock:

@@ -301,8 +301,9 @@ class GrpcClient:
         if self._lane is not None:
             self._lane.close()
         seg, self._shm = self._shm, None
-        if self._bell is not None:
-            self._bell.close()
+        bell, self._bell = self._bell, None
+        if bell is not None:
+            bell.close()
         if seg is not None:
             try:
                 self.call("Detach", pb.DetachRequest(attachment=self._attachment), timeout_s=2.0)

@@ -63,11 +63,18 @@ def test_bad_frames_get_status_codes_and_never_crash_the_daemon(start):
         assert put(c, hashes(4)) == 4
         bell = Bell(d.doorbell.path, None, 5.0)
         try:
-            # a malformed body and an unknown op are refused; the connection goes on
+            # a malformed body and an unknown attachment are refused; the connection goes on
             assert _refused(lambda: bell.ask(doorbell.LOAD_SHM, b"\xff\xff\xff"))[0] == Code.INVALID_ARGUMENT
-            assert _refused(lambda: bell.ask(99, b""))[0] == Code.UNIMPLEMENTED
             req = pb.ShmRequest(ns=ns_to_pb(NS), hashes=hashes(4), attachment="nope")
             assert _refused(lambda: bell.call("LoadShm", req, pb.LoadShmReply))[0] == Code.NOT_FOUND
+            # an unknown op (bytes of its own may follow it) is refused, then the connection ends
+            assert _refused(lambda: bell.ask(99, b""))[0] == Code.UNIMPLEMENTED
+            assert _refused(lambda: bell.call("LoadShm", req, pb.LoadShmReply))[0] == Code.UNAVAILABLE
+            # the data lane's ops are not served on the doorbell, nor the doorbell's on the lane
+            assert _refused(lambda: Bell(d.doorbell.path, None, 5.0).ask(3, b""))[0] == Code.UNIMPLEMENTED
+            lane = Bell(("127.0.0.1", d.servicer.lane_port), None, 5.0)
+            assert _refused(lambda: lane.call("LoadShm", req, pb.LoadShmReply))[0] == Code.UNIMPLEMENTED
+            lane.close()
         finally:
             bell.close()
         # random bytes on fresh connections: each is answered or dropped, the daemon keeps serving

@@ -65,10 +65,16 @@ def test_the_lane_checks_tokens_and_keeps_tenants_apart(start):
         assert acme.store(NS, hs, [payload_for(h) for h in hs]) == 4
         assert all(same(p, payload_for(h)) for p, h in zip(acme.load(NS, hs), hs))
         assert globex.load(NS, hs) == [None] * 4
-        # naming acme's namespace does not help globex
+        # naming acme's namespace does not help globex, to load or to store
         evil = pb.LoadRequest(ns=ns_to_pb(NS.with_tenant("acme")), hashes=hs).SerializeToString()
         code, why = _refused(lambda: globex._bell.ask(LOAD, evil))
         assert code == Code.PERMISSION_DENIED and "tenant" in why
+        acme_ns = NS.with_tenant("acme")
+        head = pb.StoreChunk(ns=ns_to_pb(acme_ns), hashes=hs).SerializeToString()
+        objs = [encode(acme_ns, h, payload_for(h)).numpy() for h in hs]
+        assert _refused(lambda: globex._bell.ask(STORE, head, objs))[0] == Code.PERMISSION_DENIED
+        # the refused store's bytes were read and dropped: the same connection serves globex's next call
+        assert globex.store(NS, hs[:1], [payload_for(hs[0])]) == 1
     finally:
         acme.close()
         globex.close()
@@ -105,6 +111,10 @@ def test_calls_past_the_batch_size_are_refused_and_clients_split_them(start):
     with GrpcClient(url(d, "stream")) as c:
         assert c.hello.lane_batch_bytes == 3 * S
         assert put(c, hashes(10)) == 10 and intact(c, hashes(10))
+    # blocks bigger than the lane's batch go through gRPC
+    small = start(load_batch_bytes=S - 1)
+    with GrpcClient(url(small, "stream")) as c:
+        assert put(c, hashes(2)) == 2 and intact(c, hashes(2)) and small.lane.calls == 0
 
 
 def test_a_client_vanishing_mid_store_stores_nothing(start):
