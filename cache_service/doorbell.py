@@ -64,15 +64,23 @@ def receive(sock: socket.socket, max_body: int = MAX_BODY) -> tuple[int, bytes] 
 
 def _exactly(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes | None:
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
+    if not fill(sock, memoryview(buf), eof_ok):
+        return None
+    return bytes(buf)
+
+
+def fill(sock: socket.socket, view: memoryview, eof_ok: bool = False) -> bool:
+    """Read exactly len(view) bytes into view; False if the peer closed before
+    the first byte and `eof_ok`, ConnectionError if it closed any later."""
+    got = 0
+    while got < len(view):
         k = sock.recv_into(view[got:])
         if not k:
             if eof_ok and not got:
-                return None
-            raise ConnectionError("doorbell connection closed mid-frame")
+                return False
+            raise ConnectionError("connection closed mid-frame")
         got += k
-    return bytes(buf)
+    return True
 
 
 class Connection:
@@ -96,13 +104,8 @@ class Connection:
 
     def read_into(self, view: memoryview) -> None:
         """Exactly len(view) raw bytes from the client."""
-        got = 0
         try:
-            while got < len(view):
-                k = self.sock.recv_into(view[got:])
-                if not k:
-                    raise ConnectionError("connection closed")
-                got += k
+            fill(self.sock, view)
         except OSError as e:  # answered as a cancelled call (nothing is kept of it), not as a daemon error
             raise RequestError(grpc.StatusCode.CANCELLED, f"the client went away mid-call ({e})") from None
 
@@ -316,13 +319,8 @@ class Bell:
 
     def recv_into(self, view: memoryview) -> None:
         """Exactly len(view) raw bytes that follow a reply (BellError if they do not come)."""
-        got = 0
         try:
-            while got < len(view):
-                k = self._sock.recv_into(view[got:])
-                if not k:
-                    raise ConnectionError("connection closed mid-reply")
-                got += k
+            fill(self._sock, view)
         except OSError as e:
             raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e or type(e).__name__}") from None
 

@@ -7,16 +7,15 @@ import socket
 import time
 
 import grpc
-import pytest
 
 from cache_service import doorbell
-from cache_service.doorbell import BellError
 from cache_service.lane import LOAD, STORE, Lane
 from cache_service.objects import HEADER_SIZE, encode, object_size
 from cache_service.wire import ns_to_pb
 from connectors.grpc_client import GrpcClient
 from proto import tierkv_pb2 as pb
 from tests.cache_service.store_helpers import NS, hashes, payload_for, same
+from tests.cache_service.test_doorbell import _refused
 from tests.cache_service.test_server import TOKENS, intact, put, start, url  # noqa: F401 (fixture)
 
 Code = grpc.StatusCode
@@ -25,12 +24,6 @@ S = object_size(NS)
 
 def _lane(d, token: str | None = None) -> Lane:
     return Lane("127.0.0.1", d.servicer.lane_port, token, 10.0, 64 * S)
-
-
-def _refused(fn) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(BellError) as e:
-        fn()
-    return e.value.code(), e.value.details()
 
 
 def test_streaming_clients_move_bytes_over_the_lane(start):
