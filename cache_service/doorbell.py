@@ -285,6 +285,17 @@ class Bell:
             self._sock.close()
             raise
 
+    @classmethod
+    def open(cls, path: str, token: str | None, timeout_s: float) -> "Bell | None":
+        """A connection to the doorbell at `path`, or None when it cannot be
+        had (logged; the shared-memory calls then go through gRPC)."""
+        try:
+            return cls(path, token, timeout_s)
+        except (OSError, grpc.RpcError) as e:
+            logging.getLogger("tierkv.client").info("tierkv doorbell %s unusable (%s); shared-memory calls go "
+                                                    "through gRPC", path, e)
+            return None
+
     def call(self, name: str, request, reply_type):
         """One shared-memory call; the parsed reply, or BellError."""
         op = next(op for op, (n, _) in OPS.items() if n == name)

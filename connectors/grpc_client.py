@@ -16,9 +16,11 @@ never raised into the engine. Admin calls (stats, pin, sessions, ...) raise
 URL: ``grpc://host:port?transport=auto|shm|stream&tls=1&ca=/ca.pem&timeout=30``
 (add ``cert=/client.pem&key=/client.key`` for a daemon that wants client certificates).
 ``transport=auto`` (default) uses shared memory when the daemon runs on this
-host and can map a segment this process creates (cache_service/shm.py), and
-rings the shared-memory calls on the daemon's doorbell socket
-(cache_service/doorbell.py) when it offers one; else it streams bytes. The token comes from the ``token`` argument or ``TIERKV_TOKEN``.
+host and can map a segment this process creates (cache_service/shm.py),
+ringing its calls on the daemon's doorbell socket (cache_service/doorbell.py);
+else it streams bytes, over the daemon's data lane (cache_service/lane.py)
+when it has one, else through gRPC. The token comes from the ``token``
+argument or ``TIERKV_TOKEN``.
 """
 from __future__ import annotations
 
@@ -158,19 +160,12 @@ class GrpcClient:
             raise
         seg.unlink()  # the daemon maps it now; no name left behind if anyone dies
         self._shm, self._attachment = seg, reply.attachment
-        self._bell = self._ring(reply.doorbell)
+        self._bell = Bell.open(reply.doorbell, self._token, self.timeout_s) if reply.doorbell else None
 
-    def _ring(self, path: str) -> Bell | None:
-        """A connection to the daemon's doorbell socket, or None (then the
-        shared-memory calls go through gRPC)."""
-        if not path:
-            return None
-        try:
-            return Bell(path, self._token, self.timeout_s)
-        except (OSError, grpc.RpcError) as e:
-            log.info("tierkv daemon %s: doorbell %s unusable (%s); shared-memory calls go through gRPC",
-                     self.target, path, _why(e))
-            return None
+    def _close_bell(self) -> None:
+        bell, self._bell = self._bell, None
+        if bell is not None:
+            bell.close()
 
     def _drop_segment(self) -> None:
         """Stop using the segment: the daemon forgot it (restart) or may still
@@ -178,9 +173,7 @@ class GrpcClient:
         a later call (`_segment`)."""
         with self._shm_lock:
             old, self._shm = self._shm, None
-            if self._bell is not None:
-                self._bell.close()
-                self._bell = None
+            self._close_bell()
             if old is not None:
                 old.close()
                 self._retry_at, self.transport = time.monotonic(), "stream"
@@ -301,9 +294,7 @@ class GrpcClient:
         if self._lane is not None:
             self._lane.close()
         seg, self._shm = self._shm, None
-        bell, self._bell = self._bell, None
-        if bell is not None:
-            bell.close()
+        self._close_bell()
         if seg is not None:
             try:
                 self.call("Detach", pb.DetachRequest(attachment=self._attachment), timeout_s=2.0)
