@@ -7,7 +7,8 @@ Services: ``tierkv.v1.TierKV`` (cache_service/server.py), the standard
 ``grpc.health.v1.Health`` (``""`` and ``tierkv.v1.TierKV`` report SERVING
 until shutdown begins) and server reflection, so ``grpcurl`` works without
 the proto file. Auth and TLS: cache_service/auth.py. Same-host clients ring
-the shared-memory calls on a Unix socket beside it (cache_service/doorbell.py).
+the shared-memory calls on a Unix socket beside it (cache_service/doorbell.py);
+streaming clients move bytes on a TCP data lane (cache_service/lane.py).
 
 Shutdown (SIGTERM or SIGINT) drains: health turns NOT_SERVING, the doorbell
 and then the server stop accepting calls, in-flight calls get ``grace_s`` to finish, then
@@ -35,13 +36,13 @@ from grpc_reflection.v1alpha import reflection
 
 from cache_service.auth import AuthInterceptor, Authenticator, server_credentials
 from cache_service.config import Config, default_cache_dir
+from cache_service.doorbell import Doorbell
 from cache_service.factory import open_store
 from cache_service.framing import StoreMessage
+from cache_service.lane import HANDLERS
 from cache_service.metrics import Metrics
 from cache_service.server import ServerSettings, TierKVServicer
 from cache_service.sessions import SessionStore
-from cache_service.doorbell import Doorbell
-from cache_service.lane import HANDLERS
 from cache_service.shm import Attachments
 from cache_service.store import TieredStore
 from proto import tierkv_pb2 as pb

@@ -33,9 +33,8 @@ import torch
 
 from cache_service.doorbell import Bell, BellError, Connection
 from cache_service.keys import Namespace
-from cache_service.framing import object_pieces
-from cache_service.objects import (HEADER_SIZE, checked_rows, checksum, checksums, claimed_checksums, header,
-                                   object_size, rehead_rows)
+from cache_service.framing import encode_pieces, object_pieces
+from cache_service.objects import HEADER_SIZE, checked_rows, object_size, sound_checksums, write_headers
 from cache_service.rpc import parse
 from cache_service.wire import RequestError, hashes_from_pb, invalid, ns_from_pb, ns_to_pb, torch_dtype
 from proto import tierkv_pb2 as pb
@@ -125,7 +124,7 @@ def serve_store(servicer, conn: Connection, body: bytes, tenant: str | None):
     if bad is not None:
         raise invalid(f"Store: bad block object ({bad})")
     if (sent_ns, sent) != (ns, keys):
-        rehead_rows(rows, ns, keys, sums)
+        write_headers(rows, ns, keys, sums)
     stored = servicer.store.store_objects(ns, keys, rows.unbind(0), verify=False)
     servicer.metrics.moved(tenant, "store", total)
     return pb.StoreReply(stored=stored), []
@@ -190,8 +189,7 @@ class Lane:
         """Per object: header and checksum as (ns, hash) needs; a failure is a miss."""
         if not hashes:
             return []
-        claims = claimed_checksums(rows, ns, hashes)
-        good = [c is not None and c == s for c, s in zip(claims, checksums(list(rows[:, HEADER_SIZE:].unbind(0))))]
+        good = [c is not None for c in sound_checksums(rows, ns, hashes)]
         if not all(good):
             self.corrupt += good.count(False)
             log.warning("tierkv data lane: %d loaded blocks failed their checks; treated as misses", good.count(False))
@@ -203,14 +201,10 @@ class Lane:
         stored = 0
         for r in self._parts(len(hashes), ns):
             hs = hashes[r.start:r.stop]
-            flats = [p.detach().cpu().contiguous().view(-1).view(torch.uint8) for p in payloads[r.start:r.stop]]
-
-            def pieces():  # each block hashed just before it is sent, while the daemon reads the one before
-                for h, flat in zip(hs, flats):
-                    yield header(ns, h, checksum(flat))
-                    yield memoryview(flat.numpy())
+            # each block hashed just before it is sent, while the daemon reads the one before
+            pieces = (piece for h, p in zip(hs, payloads[r.start:r.stop]) for piece in encode_pieces(ns, h, p))
             head = pb.StoreChunk(ns=ns_to_pb(ns), hashes=hs).SerializeToString()
-            stored += pb.StoreReply.FromString(self._bell.ask(STORE, head, pieces())).stored
+            stored += pb.StoreReply.FromString(self._bell.ask(STORE, head, pieces)).stored
         return stored
 
     def close(self) -> None:

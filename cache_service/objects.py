@@ -152,9 +152,7 @@ def encode_rows(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash],
     else:
         for d, f in zip(dsts, flats):
             d.copy_(f)
-    sums = checksums(dsts)
-    heads = b"".join(header(ns, h, c) for h, c in zip(hashes, sums))
-    rows[:, :HEADER_SIZE].copy_(torch.frombuffer(bytearray(heads), dtype=torch.uint8).view(len(hashes), HEADER_SIZE))
+    write_headers(rows, ns, hashes, checksums(dsts))
 
 
 def encode(ns: Namespace, h: BlockHash, payload: torch.Tensor) -> torch.Tensor:
@@ -193,23 +191,29 @@ def decode(obj: torch.Tensor, ns: Namespace, h: BlockHash, verify_payload: bool 
     return payload.view(dtype).view(ns.block_shape)
 
 
+def sound_checksums(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash]) -> list[int | None]:
+    """Per row of ``[n, object_size]`` objects: its payload checksum when its
+    header is exactly block hashes[i]'s under `ns` and its payload hashes to
+    that checksum, else None."""
+    claims = claimed_checksums(rows, ns, hashes)
+    sums = checksums(list(rows[:, HEADER_SIZE:].unbind(0)))
+    return [c if c is not None and c == s else None for c, s in zip(claims, sums)]
+
+
 def checked_rows(rows: torch.Tensor, sent_ns: Namespace, sent: Sequence[BlockHash]) -> list[int]:
     """The payload checksums of ``[n, object_size]`` objects a client encoded
-    under its own (namespace, hashes), after checking them in full (all
-    headers compared at once, then every payload hashed). Raises
-    CorruptBlockError (with decode's diagnosis of the first bad object)."""
-    claims = claimed_checksums(rows, sent_ns, sent)
-    bad = next((i for i, c in enumerate(claims) if c is None), None)
-    if bad is None:
-        sums = checksums(list(rows[:, HEADER_SIZE:].unbind(0)))
-        bad = next((i for i, (c, s) in enumerate(zip(claims, sums)) if c != s), None)
+    under its own (namespace, hashes), after checking them in full
+    (`sound_checksums`). Raises CorruptBlockError (with decode's diagnosis
+    of the first bad object)."""
+    sums = sound_checksums(rows, sent_ns, sent)
+    bad = next((i for i, c in enumerate(sums) if c is None), None)
     if bad is not None:
         decode(rows[bad], sent_ns, sent[bad], verify_payload=True)  # names what is wrong
         raise CorruptBlockError("bad object header")  # pragma: no cover (decode raised)
-    return claims
+    return sums
 
 
-def rehead_rows(rows: torch.Tensor, ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int]) -> None:
+def write_headers(rows: torch.Tensor, ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int]) -> None:
     """Write the headers of (ns, keys[i]) with payload checksum sums[i] over rows' headers."""
     if len(keys):
         heads = b"".join(header(ns, key, c) for key, c in zip(keys, sums))
@@ -222,4 +226,4 @@ def adopt_rows(rows: torch.Tensor, sent_ns: Namespace, sent: list[BlockHash], ns
     (tenant namespace, keys) when those differ from what the client sent."""
     sums = checked_rows(rows, sent_ns, sent)
     if (sent_ns, list(sent)) != (ns, list(keys)):  # a tenant's keys: the payloads stay, only headers change
-        rehead_rows(rows, ns, keys, sums)
+        write_headers(rows, ns, keys, sums)
