@@ -89,6 +89,11 @@ class Authenticator:
         self._tokens = tokens or {}
         self.enabled = bool(self._tokens)
 
+    def tenant_count(self) -> int:
+        """Distinct tenants the tokens name (0 with auth off: callers then pick
+        any tenant in their requests, so none is kept from another)."""
+        return len(set(self._tokens.values()))
+
     @classmethod
     def from_file(cls, path: str | Path | None) -> "Authenticator":
         return cls(load_tokens(path) if path else None)

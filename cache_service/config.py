@@ -106,10 +106,15 @@ class CpuConfig(TierConfig):
     pin: str = "auto"
     slot_bytes: int = 0
     prefault: bool = False  # touch the pool's pages in the background at start (daemons)
+    # the pool in a memfd same-host clients write into (cache_service/pool.py); auto: yes under `tierkv serve`
+    shared: str = "auto"
 
     def __post_init__(self) -> None:
         TierConfig.__post_init__(self)
         _check_choice("pin", self.pin, ("auto", "yes", "no"))
+        _check_choice("shared", self.shared, ("auto", "yes", "no"))
+        if self.shared == "yes" and self.pin == "yes":
+            raise ConfigError("tiers.cpu: a shared pool is not page-locked (pin = \"auto\" or \"no\")")
 
 
 @dataclass(slots=True)

@@ -41,6 +41,7 @@ from cache_service.factory import open_store
 from cache_service.framing import StoreMessage
 from cache_service.lane import HANDLERS
 from cache_service.metrics import Metrics
+from cache_service.pool import HANDLERS as POOL_HANDLERS
 from cache_service.server import ServerSettings, TierKVServicer
 from cache_service.sessions import SessionStore
 from cache_service.shm import Attachments
@@ -113,7 +114,7 @@ class Daemon:
             self.metrics_port = self.metrics.serve(s.metrics_port, s.metrics_host)
         self.server.start()
         try:  # the shared-memory calls' fast lane; without it clients ring through gRPC
-            self.doorbell = Doorbell(self.servicer).start()
+            self.doorbell = Doorbell(self.servicer, bulk=POOL_HANDLERS).start()
             self.servicer.doorbell = self.doorbell.path
         except OSError as e:
             log.warning("no same-host doorbell socket (%s); shared-memory calls go through gRPC", e)
@@ -226,6 +227,9 @@ def serve(cfg: Config, settings: ServerSettings) -> int:
     tune_process()
     if settings.sessions_dir is None:
         settings.sessions_dir = sessions_root(cfg)
+    cpu = cfg.tiers.cpu
+    if cpu is not None and cpu.shared == "auto":  # same-host clients store straight into it (cache_service/pool.py)
+        cpu.shared = "no" if cpu.pin == "yes" else "yes"
     store = open_store(cfg)
     try:
         daemon = Daemon(store, settings)

@@ -38,8 +38,9 @@ from tiers.arena import Arena
 
 log = logging.getLogger("tierkv.server")
 FRAME = struct.Struct("<IB")
-HELLO, LOAD_SHM, STORE_SHM = 0, 1, 2
+HELLO, LOAD_SHM, STORE_SHM, MAP_POOL, RESERVE, COMMIT = 0, 1, 2, 5, 6, 7  # 3, 4: the lane's
 OPS = {LOAD_SHM: ("LoadShm", pb.ShmRequest), STORE_SHM: ("StoreShm", pb.ShmRequest)}
+NAMES = {"LoadShm": LOAD_SHM, "StoreShm": STORE_SHM, "MapPool": MAP_POOL, "Reserve": RESERVE, "Commit": COMMIT}
 MAX_BODY = 16 << 20  # a ShmRequest of the daemon's max_blocks hashes is ~1.2 MB
 HELLO_BODY = 4096  # what a peer may send before it has shown a token
 HELLO_TIMEOUT_S = 10.0  # for the HELLO, and for the bytes of a call once its frame came
@@ -47,8 +48,12 @@ CALL_TIMEOUT_S = 120.0
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def send(sock: socket.socket, tag: int, body: bytes) -> None:
-    sock.sendall(FRAME.pack(len(body), tag) + body)
+def send(sock: socket.socket, tag: int, body: bytes, fds: list[int] | None = None) -> None:
+    """One frame; `fds` (Unix sockets) travel with its first bytes."""
+    data = FRAME.pack(len(body), tag) + body
+    if fds:
+        data = data[socket.send_fds(sock, [data], fds):]
+    sock.sendall(data)
 
 
 def receive(sock: socket.socket, max_body: int = MAX_BODY) -> tuple[int, bytes] | None:
@@ -91,6 +96,9 @@ class Connection:
         self.arena = Arena()  # request-sized buffers, reused call after call
         self.unread = False  # a bulk op stopped before reading its bytes: the stream is out of step
         self.busy = False  # answering a call (close() lets it finish)
+        self.fds: list[int] = []  # file descriptors to pass with the next reply (Unix sockets)
+        self.on_close: list = []  # callbacks once the connection ends (what it holds is handed back)
+        self.lease = None  # the shared-pool slots reserved on this connection (cache_service/pool.py)
 
     def send_part(self, reply, pieces) -> None:
         """An OK frame and raw pieces ahead of a bulk op's last reply (which
@@ -189,6 +197,11 @@ class Doorbell:
             with self._lock:
                 self._conns.pop(conn, None)
             conn.close()
+            for done in state.on_close:
+                try:
+                    done()
+                except Exception:  # the dispatch boundary: log, never kill the daemon
+                    log.exception("doorbell: cleanup after a connection failed")
 
     def _answer(self, state: Connection, op: int, body: bytes, tenant: str | None) -> None:
         pieces: list = []
@@ -203,7 +216,9 @@ class Doorbell:
             state.unread = True
         with self._lock:
             self.calls += 1
-        send(state.sock, code.value[0], reply.SerializeToString() if reply is not None else msg.encode())
+        fds, state.fds = state.fds, []
+        send(state.sock, code.value[0], reply.SerializeToString() if reply is not None else msg.encode(),
+             fds if reply is not None else None)
         for piece in pieces:
             state.sock.sendall(piece)
 
@@ -298,12 +313,41 @@ class Bell:
 
     def call(self, name: str, request, reply_type):
         """One shared-memory call; the parsed reply, or BellError."""
-        op = next(op for op, (n, _) in OPS.items() if n == name)
-        body = self.ask(op, request.SerializeToString())
+        return _parsed(name, reply_type, self.ask(NAMES[name], request.SerializeToString()))
+
+    def post(self, name: str, request) -> None:
+        """Send a call without waiting: the daemon answers calls in the order
+        they came, so the caller reads each reply later with `answer`."""
         try:
-            return reply_type.FromString(body)
-        except Exception:  # protobuf's DecodeError: the connection cannot be trusted any more
-            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: malformed {name} reply") from None
+            send(self._sock, NAMES[name], request.SerializeToString())
+        except OSError as e:
+            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e or type(e).__name__}") from None
+
+    def answer(self, name: str, reply_type):
+        """The parsed reply of the oldest call `post`ed and not yet answered."""
+        return _parsed(name, reply_type, self.reply())
+
+    def call_fd(self, name: str, request, reply_type):
+        """`call` for a reply that carries a file descriptor: (reply, fd); the
+        caller owns the fd."""
+        try:
+            send(self._sock, NAMES[name], request.SerializeToString())
+            head, fds, _, _ = socket.recv_fds(self._sock, FRAME.size, 1)
+            for fd in fds[1:]:
+                os.close(fd)
+        except OSError as e:
+            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e or type(e).__name__}") from None
+        try:
+            if not head:
+                raise BellError(grpc.StatusCode.UNAVAILABLE, "doorbell: the daemon closed the connection")
+            body = self._body(head + self._read(FRAME.size - len(head)))
+            if not fds:
+                raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {name} reply without its descriptor")
+            return _parsed(name, reply_type, body), fds[0]
+        except BaseException:
+            for fd in fds[:1]:
+                os.close(fd)
+            raise
 
     def ask(self, op: int, body: bytes, pieces=()) -> bytes:
         """Send a frame (and `pieces` of raw bytes after it); the reply's body, or BellError."""
@@ -317,16 +361,26 @@ class Bell:
 
     def reply(self) -> bytes:
         """The next reply frame's body (a bulk op may answer with several), or BellError."""
-        try:
-            frame = receive(self._sock)
-        except OSError as e:  # includes timeouts: the daemon may still be at work on the segment
-            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e or type(e).__name__}") from None
-        if frame is None:
+        head = self._read(FRAME.size, eof_ok=True)
+        if head is None:
             raise BellError(grpc.StatusCode.UNAVAILABLE, "doorbell: the daemon closed the connection")
-        code, body = frame
+        return self._body(head)
+
+    def _body(self, head: bytes) -> bytes:
+        """The body of the frame whose header is `head`; BellError for an error status."""
+        n, code = FRAME.unpack(head)
+        if n > MAX_BODY:
+            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: reply of {n} bytes exceeds {MAX_BODY}")
+        body = self._read(n)
         if code != grpc.StatusCode.OK.value[0]:
             raise BellError(_CODES.get(code, grpc.StatusCode.UNKNOWN), body.decode("utf-8", "replace"))
         return body
+
+    def _read(self, n: int, eof_ok: bool = False) -> bytes | None:
+        try:
+            return _exactly(self._sock, n, eof_ok)
+        except OSError as e:  # includes timeouts: the daemon may still be at work on the segment
+            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e or type(e).__name__}") from None
 
     def recv_into(self, view: memoryview) -> None:
         """Exactly len(view) raw bytes that follow a reply (BellError if they do not come)."""
@@ -337,3 +391,10 @@ class Bell:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _parsed(name: str, reply_type, body: bytes):
+    try:
+        return reply_type.FromString(body)
+    except Exception:  # protobuf's DecodeError: the connection cannot be trusted any more
+        raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: malformed {name} reply") from None

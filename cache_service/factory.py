@@ -35,7 +35,8 @@ def _hbm_kwargs(c: HbmConfig) -> dict[str, Any]:
 
 def _cpu_kwargs(c: CpuConfig) -> dict[str, Any]:
     pin = {"auto": None, "yes": True, "no": False}[c.pin]
-    return dict(capacity_bytes=c.capacity, slot_bytes=c.slot_bytes or None, pin=pin, prefault=c.prefault)
+    return dict(capacity_bytes=c.capacity, slot_bytes=c.slot_bytes or None, pin=pin, prefault=c.prefault,
+                shared=c.shared == "yes")
 
 
 def _disk_kwargs(c: DiskConfig) -> dict[str, Any]:

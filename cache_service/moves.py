@@ -43,8 +43,7 @@ class BlockMoves:
                     pol.insert(h)
         self._publish(i, [h for (h, _), good in zip(todo, ok) if good])
         held = {h for h, _ in items} - {h for (h, _), good in zip(todo, ok) if not good}
-        self._count(i, evictions=len(victims))
-        self._demote(i, [v for v in victims if v[1] is not None], "demoted")
+        self._evicted(i, victims)
         bypassed = [it for it, good in zip(todo, ok) if not good]
         if i and bypassed and (retry or not tier.available()):  # down for now: written once it is back
             self._defer(i, [h for h, _ in bypassed])
@@ -98,6 +97,17 @@ class BlockMoves:
             need = sum(tier.footprint(obj.numel()) for _, obj in todo)
         except CapacityError:
             return [False] * len(todo)
+        self._make_room(i, need, victims)
+        try:
+            return tier.put_many([h for h, _ in todo], [obj for _, obj in todo])
+        except CapacityError:  # one object can never fit: place the others one by one
+            return [self._put_one(tier, it) for it in todo]
+
+    def _make_room(self, i: int, need: int, victims: list[Item]) -> None:
+        """Evict from tier i (caller holds its lock) until `need` bytes are free
+        or only pinned blocks are left; each victim, with its object when a
+        tier below can take it, goes into `victims` (see `_evicted`)."""
+        tier = self.tiers[i]
         while tier.free_bytes() < need:
             v = self.policies[i].victim(self._is_pinned)
             if v is None:
@@ -106,10 +116,11 @@ class BlockMoves:
             tier.delete_many([v])
             self._publish(i, [v], present=False)
             victims.append((v, obj))  # counted as an eviction even with nowhere to go
-        try:
-            return tier.put_many([h for h, _ in todo], [obj for _, obj in todo])
-        except CapacityError:  # one object can never fit: place the others one by one
-            return [self._put_one(tier, it) for it in todo]
+
+    def _evicted(self, i: int, victims: Sequence[Item]) -> None:
+        """Count `_make_room`'s victims and send them down (outside the tier's lock)."""
+        self._count(i, evictions=len(victims))
+        self._demote(i, [v for v in victims if v[1] is not None], "demoted")
 
     @staticmethod
     def _put_one(tier: Tier, item: Item) -> bool:

@@ -29,12 +29,9 @@ import torch
 import xxhash
 
 from cache_service.keys import KV_DTYPES, Namespace
+from tiers.host_copy import FUSE_BYTES, copy_many
 from tiers.types import BlockHash, CorruptBlockError
 
-try:  # one call for a batch of copies, without the GIL (setup.py builds it where a C compiler is)
-    from cache_service._fastcopy import copy_many
-except ImportError:  # pragma: no cover - torch copies instead
-    copy_many = None
 
 MAGIC = b"TKVB"
 FORMAT_VERSION = 1
@@ -60,6 +57,12 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 def checksum(payload: torch.Tensor) -> int:
     """xxh3_64 of a contiguous CPU tensor's bytes."""
     return xxhash.xxh3_64_intdigest(_as_bytes(payload))
+
+
+def payload_checksum(obj) -> int:
+    """`checksum` of an object's payload (its bytes past the header); `obj`
+    a 1-D uint8 CPU tensor or numpy array."""
+    return xxhash.xxh3_64_intdigest(_as_bytes(obj[HEADER_SIZE:]) if isinstance(obj, torch.Tensor) else obj[HEADER_SIZE:])
 
 
 def checksums(payloads: Sequence[torch.Tensor]) -> list[int]:
@@ -140,19 +143,72 @@ def encode_rows(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash],
     """`encode_into` for many blocks: row i of ``[n, object_size]`` uint8 CPU
     `rows` becomes block i's object (the payload copies in one call)."""
     assert rows.dim() == 2 and rows.dtype == torch.uint8 and tuple(rows.shape) == (len(hashes), object_size(ns))
-    flats = [p.detach().cpu().contiguous().view(-1).view(torch.uint8) for p in payloads]
-    for f in flats:
-        if f.numel() != ns.payload_bytes:
-            raise ValueError(f"payload has {f.numel()} bytes, namespace expects {ns.payload_bytes}")
-    if not flats:
-        return
-    dsts = list(rows[:, HEADER_SIZE:].unbind(0))
+    flats = [_flat(ns, p) for p in payloads]
+    if flats:
+        write_headers(rows, ns, hashes, copy_hashed(list(rows[:, HEADER_SIZE:].unbind(0)), flats))
+
+
+def fill_payloads(rows: torch.Tensor, slots: Sequence[int], ns: Namespace, payloads: Sequence[torch.Tensor]) -> None:
+    """Copy payload i into the payload bytes of row slots[i] of ``[num_rows,
+    >= object_size]`` uint8 CPU `rows` (a shared pool, whose owner writes the
+    headers: cache_service/direct.py), in one call."""
+    assert len(slots) == len(payloads) and rows.dtype == torch.uint8 and rows.dim() == 2
+    size = object_size(ns)
+    assert rows.shape[1] >= size and rows.stride(1) == 1
+    table = rows.numpy()
+    _copy([table[s, HEADER_SIZE:size] for s in slots], [_flat(ns, p).numpy() for p in payloads])
+
+
+def _flat(ns: Namespace, payload: torch.Tensor) -> torch.Tensor:
+    flat = payload.detach().cpu().contiguous().view(-1).view(torch.uint8)
+    if flat.numel() != ns.payload_bytes:
+        raise ValueError(f"payload has {flat.numel()} bytes, namespace expects {ns.payload_bytes}")
+    return flat
+
+
+def copy_hashed(dsts: Sequence, srcs: Sequence) -> list[int]:
+    """``dsts[i][:] = srcs[i]`` (1-D contiguous uint8 numpy arrays or CPU
+    tensors) and the xxh3_64 of each copy, hashed right after its bytes were
+    copied, while they are still in the core's cache: about the cost of the
+    copy alone, where copying then hashing reads memory twice
+    (docs/benchmarks.md). Blocks are copied in groups of about FUSE_BYTES, a
+    larger one in pieces."""
+    dsts = [d.numpy() if isinstance(d, torch.Tensor) else d for d in dsts]
+    srcs = [s.numpy() if isinstance(s, torch.Tensor) else s for s in srcs]
+    sums: list[int] = []
+    group: list[int] = []
+    size = 0
+    for i, d in enumerate(dsts):
+        if group and size + d.size > FUSE_BYTES:
+            _copy_and_hash(dsts, srcs, group, sums)
+            group, size = [], 0
+        if d.size <= FUSE_BYTES:
+            group.append(i)
+            size += d.size
+            continue
+        state = xxhash.xxh3_64()
+        for off in range(0, d.size, FUSE_BYTES):
+            piece = d[off: off + FUSE_BYTES]
+            _copy([piece], [srcs[i][off: off + FUSE_BYTES]])
+            state.update(piece)
+        sums.append(state.intdigest())
+    _copy_and_hash(dsts, srcs, group, sums)
+    return sums
+
+
+def _copy_and_hash(dsts: Sequence, srcs: Sequence, group: list[int], sums: list[int]) -> None:
+    if group:
+        _copy([dsts[i] for i in group], [srcs[i] for i in group])
+        sums.extend(xxhash.xxh3_64_intdigest(dsts[i]) for i in group)
+
+
+def _copy(dsts: list, srcs: list) -> None:
+    """dsts[i][:] = srcs[i] for 1-D uint8 numpy arrays, in one call without the GIL where built."""
     if copy_many is not None:
-        copy_many([d.numpy() for d in dsts], [f.numpy() for f in flats])
-    else:
-        for d, f in zip(dsts, flats):
-            d.copy_(f)
-    write_headers(rows, ns, hashes, checksums(dsts))
+        copy_many(dsts, srcs)
+        return
+    for d, s in zip(dsts, srcs):
+        d[:] = s
 
 
 def encode(ns: Namespace, h: BlockHash, payload: torch.Tensor) -> torch.Tensor:
@@ -216,8 +272,13 @@ def checked_rows(rows: torch.Tensor, sent_ns: Namespace, sent: Sequence[BlockHas
 def write_headers(rows: torch.Tensor, ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int]) -> None:
     """Write the headers of (ns, keys[i]) with payload checksum sums[i] over rows' headers."""
     if len(keys):
-        heads = b"".join(header(ns, key, c) for key, c in zip(keys, sums))
-        rows[:, :HEADER_SIZE].copy_(torch.frombuffer(bytearray(heads), dtype=torch.uint8).view(-1, HEADER_SIZE))
+        rows[:, :HEADER_SIZE].copy_(headers(ns, keys, sums))
+
+
+def headers(ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int]) -> torch.Tensor:
+    """The ``[n, HEADER_SIZE]`` headers of (ns, keys[i]) with payload checksum sums[i]."""
+    heads = b"".join(header(ns, key, c) for key, c in zip(keys, sums))
+    return torch.frombuffer(bytearray(heads), dtype=torch.uint8).view(-1, HEADER_SIZE)
 
 
 def adopt_rows(rows: torch.Tensor, sent_ns: Namespace, sent: list[BlockHash], ns: Namespace,

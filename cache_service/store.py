@@ -5,32 +5,29 @@ top tier synchronously and returns; every lower tier is written by its own
 background writer (write-through tiers get every new block, write-back tiers
 get blocks when they are evicted from the tier above). ``load()`` reads each
 block from the highest tier that has it, verifies it, and promotes a block
-into the tiers above on its ``promote_after_hits``-th hit below (default 2,
-so a one-shot read from local disk copies nothing: an engine holds what it
-loaded in its own KV cache; a hit in a remote tier, S3, is copied up at
-once), in the background: a load returns as soon as its blocks are read (a
-copy into never-touched pool memory can cost more than the read itself),
-and a promotion that finds its queue full is dropped. Eviction is the
-store's job: each tier has a policy, pinned blocks are never victims, and a
-victim moves to the next tier down.
+into the tiers above on its ``promote_after_hits``-th hit below (default 2:
+a one-shot read from local disk copies nothing, as the engine keeps what it
+loaded; a hit in S3 is copied up at once), in the background, so a load
+returns as soon as its blocks are read; a promotion that finds its queue
+full is dropped. Eviction is the store's job: each tier has a policy, pinned
+blocks are never victims, and a victim moves to the next tier down
+(evictions are counted even where there is no tier below).
 
 Copy-free variants for callers with their own buffers (the daemon's shared
 memory): ``load_into`` copies a slot-pool hit straight into the caller's
-object buffer and verifies it there; ``store_objects`` takes objects already
-encoded (and, when untrusted, checks them in full) and copies each once
-into the top tier. Evictions are counted per tier whether or not the victim
-has a tier below to go to.
+object buffer and verifies it there; ``store_objects`` copies objects
+already encoded (checked in full when untrusted) once into the top tier.
 
 Backpressure: with ``queue_full = "wait"`` (default) a full writer queue
 makes the caller wait, so memory stays bounded and no lower copy is lost;
 with ``"skip"`` the lower copy is dropped and counted (``dropped``) and the
 caller never waits on slow storage.
 
-Placement (puts that evict, victims sent down, writers, promotion) lives in
-`cache_service/moves.py`. Locks: one per tier (guards its policy and
-membership changes), always taken top to bottom; objects handed to writers
-stay in an in-flight map, so a block stays visible to ``lookup`` and
-``load`` while it moves down.
+Placement (puts that evict, victims sent down, writers, promotion):
+`cache_service/moves.py`; objects another process writes into a shared top
+tier: `cache_service/direct.py`. Locks: one per tier (its policy and
+membership), taken top to bottom; objects handed to writers stay in an
+in-flight map, visible to ``lookup`` and ``load`` while they move down.
 
 Directory (optional, ``tiers/redis_dir.py``): blocks landing in a tier other
 nodes can see (this node's disk, S3) are published, evicted or deleted ones
@@ -52,11 +49,12 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from cache_service.config import StoreConfig
+from cache_service.direct import DirectPuts
 from cache_service.eviction.base import EvictionPolicy
 from cache_service.keys import Namespace
 from cache_service.moves import BlockMoves
 from cache_service.objects import (HEADER_SIZE, checksums, claimed_checksum, claimed_checksums, decode, encode,
-                                   encode_into, object_size)
+                                   encode_into, object_size, payload_checksum)
 from cache_service.writer import Item, TierWriter
 from tiers.base import Tier
 from tiers.types import BlockHash, CorruptBlockError, TierKVError
@@ -68,7 +66,7 @@ log = logging.getLogger("tierkv.store")
 _COUNTERS = ("hits", "misses", "evictions", "corrupt", "promoted", "demoted", "dropped", "bypassed", "deferred")
 
 
-class TieredStore(BlockMoves):
+class TieredStore(BlockMoves, DirectPuts):
     """The block store; thread-safe. Build with `open_store(config)` or directly."""
 
     def __init__(self, tiers: Sequence[Tier], policies: Sequence[EvictionPolicy],
@@ -153,13 +151,16 @@ class TieredStore(BlockMoves):
         promote: list[tuple[int, BlockHash, torch.Tensor]] = []
         i = 0
         while remaining and i < len(self.tiers) and hasattr(self.tiers[i], "get_into"):
+            # a tier that wants payloads verified has them hashed as they are copied (still in cache)
+            digest = payload_checksum if self.tiers[i].verify_payload else None
             try:
-                hits = self.tiers[i].get_into([hashes[j] for j in remaining], [outs[j] for j in remaining])
+                hits = self.tiers[i].get_into([hashes[j] for j in remaining], [outs[j] for j in remaining], digest)
             except TierKVError:  # an object larger than this namespace's: not what was asked for
                 break
             missed = []
-            found = [j for j, hit in zip(remaining, hits) if hit]
-            good = set(self._verified_in_place(i, ns, hashes, outs, found, rows))
+            found = [j for j, hit in zip(remaining, hits) if hit is not None and hit is not False]
+            sums = dict(zip(remaining, hits)) if digest is not None else None
+            good = set(self._verified_in_place(i, ns, hashes, outs, found, rows, sums))
             for j in remaining:
                 if j in good:
                     got[j] = True
@@ -213,12 +214,12 @@ class TieredStore(BlockMoves):
         return out[j] is not None
 
     def _verified_in_place(self, i: int, ns: Namespace, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],
-                           found: list[int], rows: torch.Tensor | None) -> list[int]:
+                           found: list[int], rows: torch.Tensor | None, sums: dict[int, int] | None) -> list[int]:
         """Those of `found` (indexes into hashes / objs) whose objects, read from
         tier i, are sound: the hot path's checks (each header compared with
-        the one (ns, h) must have, the payloads hashed in one call that lets
-        other threads run); the full decode (for its diagnosis) only for
-        the rest. `rows`: objs as one [n, object_size] tensor, if they are."""
+        the one (ns, h) must have, the payloads hashed unless `sums` has
+        their checksums already); the full decode (for its diagnosis) only
+        for the rest. `rows`: objs as one [n, object_size] tensor, if they are."""
         if rows is not None and found:  # all rows in one pass (indexing rows would copy them)
             every = claimed_checksums(rows, ns, hashes)
             claims = [every[j] for j in found]
@@ -226,7 +227,7 @@ class TieredStore(BlockMoves):
             claims = [claimed_checksum(objs[j], ns, hashes[j]) for j in found]
         sound = [j for j, c in zip(found, claims) if c is not None]
         if self.tiers[i].verify_payload:
-            sums = dict(zip(sound, checksums([objs[j][HEADER_SIZE:] for j in sound])))
+            sums = sums or dict(zip(sound, checksums([objs[j][HEADER_SIZE:] for j in sound])))
             sound = [j for j, c in zip(found, claims) if c is not None and sums[j] == c]
         ok = set(sound)
         return [j for j in found if j in ok or self._verified(i, ns, hashes[j], objs[j]) is not None]

@@ -17,8 +17,9 @@ URL: ``grpc://host:port?transport=auto|shm|stream&tls=1&ca=/ca.pem&timeout=30``
 (add ``cert=/client.pem&key=/client.key`` for a daemon that wants client certificates).
 ``transport=auto`` (default) uses shared memory when the daemon runs on this
 host and can map a segment this process creates (cache_service/shm.py),
-ringing its calls on the daemon's doorbell socket (cache_service/doorbell.py);
-else it streams bytes, over the daemon's data lane (cache_service/lane.py)
+ringing its calls on the daemon's doorbell socket (cache_service/doorbell.py)
+and storing straight into the daemon's host pool when it shares it
+(cache_service/pool.py; connectors/grpc_shm.py); else it streams bytes, over the daemon's data lane (cache_service/lane.py)
 when it has one, else through gRPC. The token comes from the ``token``
 argument or ``TIERKV_TOKEN``.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from functools import lru_cache
 from typing import Sequence
@@ -37,12 +37,12 @@ import torch
 
 from cache_service import framing
 from cache_service.auth import channel_credentials
-from cache_service.doorbell import Bell
 from cache_service.lane import LaneLink
 from cache_service.keys import Namespace
-from cache_service.objects import HEADER_SIZE, encode_rows, object_size
-from cache_service.shm import Segment, host_id
-from cache_service.wire import check_payloads, ns_to_pb, stats_from_pb, torch_dtype
+from cache_service.objects import object_size
+from cache_service.shm import host_id
+from cache_service.wire import check_payloads, ns_to_pb, stats_from_pb
+from connectors.grpc_shm import ProtocolError, SameHost
 from connectors.grpc_sessions import RemoteSessions
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
@@ -61,10 +61,6 @@ def _ns(ns: Namespace) -> pb.Namespace:
     return ns_to_pb(ns)
 
 
-class _ProtocolError(TierKVError):
-    """The daemon answered something this client does not understand."""
-
-
 class GrpcClient:
     """Client of one daemon; thread-safe."""
 
@@ -81,8 +77,8 @@ class GrpcClient:
         except ValueError:
             raise TierKVError(f"cache URL {url!r}: timeout must be a number of seconds") from None
         self.errors = 0
-        self._token = token or os.environ.get("TIERKV_TOKEN")
-        self._md = (("authorization", f"Bearer {self._token}"),) if self._token else ()
+        self.token = token or os.environ.get("TIERKV_TOKEN")
+        self._md = (("authorization", f"Bearer {self.token}"),) if self.token else ()
         # reconnect within seconds after a daemon restart (grpc's default backoff grows to 2 minutes)
         options = [("grpc.max_receive_message_length", _RECEIVE_LIMIT), ("grpc.max_reconnect_backoff_ms", 5000)]
         tls_ca = tls_ca or q.get("ca") or os.environ.get("TIERKV_TLS_CA")
@@ -99,11 +95,7 @@ class GrpcClient:
                                                     response_deserializer=framing.parse_load_chunk)
         self._store_rpc = self._channel.stream_unary("/tierkv.v1.TierKV/Store",
                                                      response_deserializer=pb.StoreReply.FromString)
-        self._shm: Segment | None = None
-        self._shm_bytes, self._retry_at = 0, 0.0  # segment size to re-attach; when to try
-        self._attachment = ""
-        self._bell: Bell | None = None  # the daemon's doorbell, while the segment is attached
-        self._shm_lock = threading.Lock()
+        self._near: SameHost | None = None  # the same-host paths, once shared memory works (connectors/grpc_shm.py)
         self._last_log: dict[str, float] = {}
         self.sessions = RemoteSessions(self)  # connectors/grpc_sessions.py
         self._lane: LaneLink | None = None
@@ -114,7 +106,7 @@ class GrpcClient:
             self.close()
             raise
         if self.hello.lane_port and not tls:  # streamed bytes skip gRPC's stack (cache_service/lane.py)
-            self._lane = LaneLink(parts.hostname, self.hello.lane_port, self._token, self.timeout_s,
+            self._lane = LaneLink(parts.hostname, self.hello.lane_port, self.token, self.timeout_s,
                                   self.hello.lane_batch_bytes)
 
     # ------------------------------------------------------------ setup
@@ -140,9 +132,10 @@ class GrpcClient:
             if transport == "shm":
                 raise TierUnavailableError(f"daemon at {self.target} runs on another host: no shared memory")
             return "stream"
+        near = SameHost(self, shm_bytes)
         try:
-            self._attach(shm_bytes)
-            self._shm_bytes = shm_bytes
+            near.attach()
+            self._near = near
             return "shm"
         except (OSError, grpc.RpcError) as e:
             if transport == "shm":
@@ -150,54 +143,9 @@ class GrpcClient:
             log.info("shared memory with %s unavailable (%s); streaming bytes", self.target, _why(e))
             return "stream"
 
-    def _attach(self, nbytes: int) -> None:
-        seg = Segment(nbytes)
-        try:
-            reply = self._stub.Attach(pb.AttachRequest(name=seg.name, nonce=seg.nonce),
-                                      timeout=self.timeout_s, metadata=self._md)
-        except BaseException:
-            seg.close()
-            raise
-        seg.unlink()  # the daemon maps it now; no name left behind if anyone dies
-        self._shm, self._attachment = seg, reply.attachment
-        self._bell = Bell.open(reply.doorbell, self._token, self.timeout_s) if reply.doorbell else None
-
-    def _close_bell(self) -> None:
-        bell, self._bell = self._bell, None
-        if bell is not None:
-            bell.close()
-
-    def _drop_segment(self) -> None:
-        """Stop using the segment: the daemon forgot it (restart) or may still
-        be writing into it (a call that timed out). A new one is attached on
-        a later call (`_segment`)."""
-        with self._shm_lock:
-            old, self._shm = self._shm, None
-            self._close_bell()
-            if old is not None:
-                old.close()
-                self._retry_at, self.transport = time.monotonic(), "stream"
-
-    def _segment(self) -> Segment | None:
-        """The attached segment; re-attaches a dropped one, at most every 10 s."""
-        if self._shm is None and self._shm_bytes and time.monotonic() >= self._retry_at:
-            with self._shm_lock:
-                if self._shm is None:
-                    try:
-                        self._attach(self._shm_bytes)
-                        self.transport = "shm"
-                    except (OSError, grpc.RpcError):
-                        self._retry_at = time.monotonic() + 10.0
-        return self._shm
-
     def call(self, name: str, request, timeout_s: float | None = None):
         """One unary RPC with this client's token and timeout (raises grpc.RpcError)."""
         return getattr(self._stub, name)(request, timeout=timeout_s or self.timeout_s, metadata=self._md)
-
-    def _shm_call(self, name: str, request, reply_type):
-        """A shared-memory call (caller holds _shm_lock): on the doorbell when
-        the daemon offered one, else through gRPC."""
-        return self._bell.call(name, request, reply_type) if self._bell is not None else self.call(name, request)
 
     def admin(self, name: str, request, invalid: type[TierKVError] = TierKVError):
         """A unary RPC whose failure the caller should see: `invalid` for a
@@ -210,18 +158,13 @@ class GrpcClient:
             raise TierUnavailableError(f"tierkv daemon at {self.target}: {name} failed: {_why(e)}") from None
 
     def _failed(self, what: str, e: Exception, shm: bool = False) -> None:
-        if shm and not (isinstance(e, grpc.RpcError) and e.code() in _REFUSED):
-            self._drop_segment()
+        if shm and self._near is not None and not (isinstance(e, grpc.RpcError) and e.code() in _REFUSED):
+            self._near.drop()
         self.errors += 1
         now = time.monotonic()
         if now - self._last_log.get(what, -1e9) >= 10.0:  # at most one line per op per 10 s
             self._last_log[what] = now
             log.warning("tierkv daemon %s: %s failed (%s); continuing without it", self.target, what, _why(e))
-
-    def _shm_room(self, ns: Namespace) -> int:
-        """Bytes of the shared-memory segment when it can carry this namespace's blocks, else 0."""
-        seg = self._segment()
-        return seg.data_bytes if seg is not None and object_size(ns) <= seg.data_bytes else 0
 
     def _batches(self, n: int, block_bytes: int, room: int) -> list[range]:
         per = max(1, min(self.hello.max_blocks, room // max(block_bytes, 1)))
@@ -245,13 +188,14 @@ class GrpcClient:
     def load(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Verified payloads per hash, None for a miss (and for every block of a failed call)."""
         out: list[torch.Tensor | None] = [None] * len(hashes)
-        shm = self._shm_room(ns)
+        shm = self._near.room(ns) if self._near is not None else 0
         batches = self._batches(len(hashes), object_size(ns), shm or 1 << 62)  # the daemon batches streamed reads
         for r in batches:
             h = hashes[r.start:r.stop]
             try:  # one batch: hand out views of the segment; more would each need their own room
-                got = self._load_shm(ns, h, lend=len(batches) == 1) if shm else self._load_stream(ns, h)
-            except (grpc.RpcError, _ProtocolError) as e:
+                got = self._near.load(ns, h, lend=len(batches) == 1) if shm else None
+                got = self._load_stream(ns, h) if got is None else got
+            except (grpc.RpcError, ProtocolError) as e:
                 self._failed("load", e, bool(shm))
                 break
             out[r.start:r.stop] = got
@@ -260,14 +204,15 @@ class GrpcClient:
     def store(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
         """Send blocks to the daemon; returns how many were new to its top tier (0 for a failed call)."""
         check_payloads(ns, hashes, payloads)
-        shm = self._shm_room(ns)
+        shm = self._near.room(ns) if self._near is not None else 0
         stored = 0
         per = max(1, self.hello.max_request_bytes // ns.payload_bytes)  # the daemon's limit is on payload bytes
         for r in self._batches(len(hashes), object_size(ns), min(per * object_size(ns), shm or 1 << 62)):
             h, p = hashes[r.start:r.stop], payloads[r.start:r.stop]
             try:
-                stored += self._store_shm(ns, h, p) if shm else self._store_stream(ns, h, p)
-            except grpc.RpcError as e:
+                got = self._near.store(ns, h, p) if shm else None
+                stored += self._store_stream(ns, h, p) if got is None else got
+            except (grpc.RpcError, ProtocolError) as e:
                 self._failed("store", e, bool(shm))
                 break
         return stored
@@ -290,17 +235,10 @@ class GrpcClient:
         self.admin("Unpin", pb.BlocksRequest(hashes=list(hashes), ns=_ns(ns) if ns else None))
 
     def close(self) -> None:
-        self._shm_bytes = 0  # no re-attaching after this
         if self._lane is not None:
             self._lane.close()
-        seg, self._shm = self._shm, None
-        self._close_bell()
-        if seg is not None:
-            try:
-                self.call("Detach", pb.DetachRequest(attachment=self._attachment), timeout_s=2.0)
-            except grpc.RpcError:
-                pass  # the daemon reaps idle attachments itself
-            seg.close()
+        if self._near is not None:
+            self._near.close()
         self._channel.close()
 
     def __enter__(self) -> "GrpcClient":
@@ -310,42 +248,6 @@ class GrpcClient:
         self.close()
 
     # ------------------------------------------------------------ data paths
-    def _load_shm(self, ns: Namespace, hashes: Sequence[BlockHash], lend: bool) -> list[torch.Tensor | None]:
-        """Block i's object lands at i * object_size in a stretch of the segment
-        (the daemon verified it there). With `lend` the payloads handed out
-        are views of that stretch, which stays reserved while any of them is
-        alive (zero copies here); otherwise each is copied out once."""
-        P, S = ns.payload_bytes, object_size(ns)
-        with self._shm_lock:
-            if self._shm is None:  # lost meanwhile (see _drop_segment)
-                return self._load_stream(ns, hashes)
-            got = (self._shm.stretch(len(hashes) * S, lend=True) if lend else None)
-            lent = got is not None
-            got = got or self._shm.stretch(len(hashes) * S)
-            if got is None:  # the caller still holds earlier blocks all over the segment
-                return self._load_stream(ns, hashes)
-            offset, area = got
-            req = pb.ShmRequest(ns=_ns(ns), hashes=list(hashes), attachment=self._attachment, offset=offset)
-            sizes = list(self._shm_call("LoadShm", req, pb.LoadShmReply).sizes)
-            _check_sizes(sizes, len(hashes), P)
-            payloads = _payload_views(area, ns, len(hashes))
-            if not lent:
-                payloads = [p.clone() if s else p for p, s in zip(payloads, sizes)]
-        return [p if s else None for p, s in zip(payloads, sizes)]
-
-    def _store_shm(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
-        """Objects are encoded straight into the segment (the payload copies in
-        one call); the daemon checks them and copies each once into its pool."""
-        S = object_size(ns)
-        with self._shm_lock:
-            got = None if self._shm is None else self._shm.stretch(len(hashes) * S)
-            if got is None:  # no segment, or loaded blocks the caller holds fill it
-                return self._store_stream(ns, hashes, payloads)
-            offset, area = got
-            encode_rows(area.view(len(hashes), S), ns, hashes, payloads)
-            req = pb.ShmRequest(ns=_ns(ns), hashes=list(hashes), attachment=self._attachment, offset=offset)
-            return self._shm_call("StoreShm", req, pb.StoreReply).stored
-
     def _load_stream(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Whole objects, checked (header and checksum; a corrupt block is a
         miss): over the daemon's data lane when it has one, else each copied
@@ -360,7 +262,7 @@ class GrpcClient:
                 reader.feed(sizes, data)
             out = reader.result()
         except framing.FramingError as e:
-            raise _ProtocolError(f"Load: {e}") from None
+            raise ProtocolError(f"Load: {e}") from None
         if reader.corrupt:
             log.warning("tierkv daemon %s: %d streamed blocks failed their checks; treated as misses",
                         self.target, reader.corrupt)
@@ -380,17 +282,3 @@ class GrpcClient:
 
 def _why(e: Exception) -> str:
     return f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
-
-
-def _check_sizes(sizes: Sequence[int], n: int, payload_bytes: int) -> None:
-    if len(sizes) != n or any(s not in (0, payload_bytes) for s in sizes):
-        raise _ProtocolError(f"daemon announced sizes {list(sizes)[:8]}... for {n} blocks of {payload_bytes} bytes")
-
-
-def _payload_views(area: torch.Tensor, ns: Namespace, n: int) -> list[torch.Tensor]:
-    """Payload views of the n objects laid out back to back in `area`: one
-    strided view, unbound (a view per block built in Python costs more than
-    copying a small block)."""
-    S, item = object_size(ns), torch_dtype(ns).itemsize
-    rows = area[: n * S].view(torch_dtype(ns)).view(n, S // item)
-    return list(rows[:, HEADER_SIZE // item:].view(n, *ns.block_shape).unbind(0))

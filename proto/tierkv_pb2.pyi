@@ -154,6 +154,38 @@ class LoadShmReply(_message.Message):
     sizes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class PoolRequest(_message.Message):
+    __slots__ = ("ns",)
+    NS_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ...) -> None: ...
+
+class PoolReply(_message.Message):
+    __slots__ = ("slot_bytes", "slot_stride", "num_slots")
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slot_bytes: int
+    slot_stride: int
+    num_slots: int
+    def __init__(self, slot_bytes: _Optional[int] = ..., slot_stride: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("ns", "hashes", "slots")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class BlocksRequest(_message.Message):
     __slots__ = ("ns", "hashes")
     NS_FIELD_NUMBER: _ClassVar[int]

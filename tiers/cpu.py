@@ -9,22 +9,26 @@ Concurrency: a short lock guards the free list and the index, never a copy.
 A put copies into a slot it reserved but has not yet published; a reader pins
 the slot it copies from, and a slot deleted while pinned goes back to the free
 list only when its last reader is done. So no copy ever races a reuse.
+
+A `shared` pool lives in a memfd instead of anonymous memory, so a daemon
+can hand its file descriptor to a same-host client (cache_service/pool.py):
+the client then writes block objects straight into slots it `reserve`d, and
+the daemon `publish`es them. Its rows start on page boundaries (a row's
+stride is its slot size rounded up to a page), and since other processes can
+write its bytes, loads from it verify payload checksums (`verify_payload`).
 """
 from __future__ import annotations
 
+import os
 import threading
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from tiers.base import Tier
+from tiers.host_copy import copy_all, copy_then, shared_matrix
 from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError
-
-try:  # batched host copies without per-copy interpreter overhead (setup.py builds it)
-    from cache_service._fastcopy import copy_many
-except ImportError:  # pragma: no cover - no C compiler where installed
-    copy_many = None
-
 
 class SlotPool(Tier):
     """A fixed-slot object pool on one torch device.
@@ -37,8 +41,14 @@ class SlotPool(Tier):
     verify_payload = False
 
     def __init__(self, capacity_bytes: int, slot_bytes: int | None = None,
-                 device: str | torch.device = "cpu", pin: bool = False, prefault: bool = False) -> None:
+                 device: str | torch.device = "cpu", pin: bool = False, prefault: bool = False,
+                 shared: bool = False) -> None:
         super().__init__(capacity_bytes)
+        assert not (shared and (pin or torch.device(device).type != "cpu")), "a shared pool is plain host memory"
+        self.shared = shared
+        self.verify_payload = shared  # other processes write a shared pool's bytes
+        self.share_fd = -1  # a shared pool's memfd, once allocated
+        self.slot_stride = 0  # bytes from one row to the next
         self.prefault = prefault
         self.device = torch.device(device)
         self.pinned = pin
@@ -64,8 +74,12 @@ class SlotPool(Tier):
             raise CapacityError(
                 f"{self.name}: slot of {slot_bytes} B exceeds capacity {self.capacity_bytes} B")
         self.num_slots = self.capacity_bytes // slot_bytes
-        self._pool = torch.empty((self.num_slots, slot_bytes), dtype=torch.uint8,
-                                 device=self.device, pin_memory=self.pinned)
+        if self.shared:
+            self._pool, self.share_fd, self.slot_stride = shared_matrix(self.num_slots, slot_bytes, self.name)
+        else:
+            self._pool = torch.empty((self.num_slots, slot_bytes), dtype=torch.uint8,
+                                     device=self.device, pin_memory=self.pinned)
+            self.slot_stride = slot_bytes
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.slot_bytes = slot_bytes
         if self.prefault and self.device.type == "cpu" and not self.pinned:  # pinned memory is resident
@@ -126,12 +140,12 @@ class SlotPool(Tier):
             todo = self._reserve(hashes)
             copies = [(self._slot(slot, objs[i].numel()), objs[i]) for i, slot in todo]
         try:
-            _copy_all(copies)
+            copy_all(copies)
         except BaseException:
             with self._lock:
                 self._free.extend(slot for _, slot in todo)
             raise
-        self._publish(hashes, objs, todo)
+        self._publish(hashes, [obj.numel() for obj in objs], todo)
         return self.contains_many(hashes)
 
     def _reserve(self, hashes: Sequence[BlockHash]) -> list[tuple[int, int]]:
@@ -145,20 +159,59 @@ class SlotPool(Tier):
                 todo.append((i, self._free.pop()))
         return todo
 
-    def _publish(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],
-                 todo: list[tuple[int, int]]) -> None:
-        """Make freshly copied slots visible; a racing put of the same hash wins."""
+    def _publish(self, hashes: Sequence[BlockHash], sizes: Sequence[int],
+                 todo: list[tuple[int, int]]) -> list[bool]:
+        """Make freshly written slots visible (True per slot of `todo`); a racing
+        put of the same hash wins, and the slot goes back to the free list."""
         added = nbytes_in = 0
+        done = []
         with self._lock:
             for i, slot in todo:
                 h = hashes[i]
-                if self._closed or h in self._index:
+                done.append(not self._closed and h not in self._index)
+                if not done[-1]:
                     self._free.append(slot)
                     continue
-                self._index[h] = (slot, objs[i].numel())
+                self._index[h] = (slot, sizes[i])
                 added += 1
-                nbytes_in += objs[i].numel()
+                nbytes_in += sizes[i]
             self.stats.add(blocks=added, used_bytes=added * self.slot_bytes, bytes_in=nbytes_in)
+        return done
+
+    # -- writes by another process (shared pools) ---------------------------------
+
+    def reserve(self, hashes: Sequence[BlockHash], nbytes: int) -> list[int | None]:
+        """A free slot for each hash this pool does not hold, for an object of
+        `nbytes` that someone else writes (None: held, repeated in the batch,
+        or no free slot left). The slots are nobody's until `publish` or
+        `unreserve`. Sizes a lazily sized pool; CapacityError if `nbytes`
+        can never fit a slot."""
+        with self._lock:
+            self._check_open()
+            if self._pool is None:
+                self._allocate(nbytes)
+            self.footprint(nbytes)
+            out: list[int | None] = [None] * len(hashes)
+            for i, slot in self._reserve(hashes):
+                out[i] = slot
+        return out
+
+    def publish(self, hashes: Sequence[BlockHash], slots: Sequence[int], nbytes: int) -> list[bool]:
+        """Make reserved slots, written meanwhile, the objects (`nbytes` each) of
+        `hashes`; False where a racing put of the same hash won."""
+        return self._publish(hashes, [nbytes] * len(hashes), list(enumerate(slots)))
+
+    def unreserve(self, slots: Iterable[int]) -> None:
+        """Hand reserved slots back unwritten."""
+        with self._lock:
+            if not self._closed:
+                self._free.extend(slots)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The pool as one ``[num_slots, slot_bytes]`` tensor (rows `slot_stride` apart)."""
+        assert self._pool is not None, "the pool is not sized yet"
+        return self._pool
 
     def delete_many(self, hashes: Iterable[BlockHash]) -> int:
         removed = 0
@@ -188,17 +241,21 @@ class SlotPool(Tier):
                 if entry is not None:
                     out[i] = torch.empty(entry[1].numel(), dtype=torch.uint8, device=self.device)
                     copies.append((out[i], entry[1]))
-            _copy_all(copies)
+            copy_all(copies)
         finally:
             self._release(found)
         return out
 
-    def get_into(self, hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor]) -> list[bool]:
+    def get_into(self, hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor],
+                 digest: Callable[[np.ndarray], object] | None = None) -> list:
         """Copy each held object into the prefix of the caller's buffer (any device).
 
         The allocation-free load path. Returns False for a miss, leaving that
         buffer untouched. Copies are issued non-blocking where a pinned host
-        side allows it and complete before this returns.
+        side allows it and complete before this returns. With `digest` (host
+        buffers) each hit's entry is digest(its copy, as a numpy array)
+        instead of True, computed right after the copy while its bytes are
+        still in cache, and a miss's is None.
         """
         assert len(hashes) == len(outs), "one buffer per hash"
         found = self._acquire(hashes)
@@ -211,7 +268,10 @@ class SlotPool(Tier):
                 if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < n:
                     raise TierKVError(f"{self.name}: get_into buffer must be 1-D uint8 of >= {n} B")
                 copies.append((out[:n], entry[1]))
-            _copy_all(copies)
+            if digest is not None:
+                got = iter(copy_then(copies, digest))
+                return [None if entry is None else next(got) for entry in found]
+            copy_all(copies)
         finally:
             self._release(found)
         return [entry is not None for entry in found]
@@ -265,6 +325,9 @@ class SlotPool(Tier):
             self._index.clear()
             self._free.clear()
             self._pool = None
+            if self.share_fd >= 0:  # clients that mapped it keep its memory until they unmap
+                os.close(self.share_fd)
+                self.share_fd = -1
             self.stats.add(blocks=-self.stats.blocks, used_bytes=-self.stats.used_bytes)
 
     def _slot(self, slot: int, nbytes: int) -> torch.Tensor:
@@ -283,38 +346,11 @@ class CpuTier(SlotPool):
     name = "cpu"
 
     def __init__(self, capacity_bytes: int, slot_bytes: int | None = None, pin: bool | None = None,
-                 prefault: bool = False) -> None:
+                 prefault: bool = False, shared: bool = False) -> None:
+        if pin and shared:
+            raise ConfigError("cpu tier: a shared pool is not page-locked (pin = auto or no)")
         if pin is None:
-            pin = torch.cuda.is_available()
+            pin = torch.cuda.is_available() and not shared
         elif pin and not torch.cuda.is_available():
             raise ConfigError("cpu tier: pin=True needs a CUDA device (use auto)")
-        super().__init__(capacity_bytes, slot_bytes, device="cpu", pin=pin, prefault=prefault)
-
-
-def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """`dst.copy_(src)` for each pair, then wait for any async device copies.
-
-    A copy between a pinned host tensor and a GPU one may run asynchronously;
-    issuing all of them before one wait per device overlaps the batch, and the
-    wait guarantees no slot is reused or handed out while a copy still reads
-    or writes it.
-    """
-    if copy_many is not None and all(_host_bytes(d) and _host_bytes(s) for d, s in pairs):
-        copy_many([d.numpy() for d, _ in pairs], [s.numpy() for _, s in pairs])
-        return
-    devices: set[torch.device] = set()
-    for dst, src in pairs:
-        cross = dst.device != src.device
-        host = src if dst.device.type == "cuda" else dst
-        async_ok = cross and host.device.type == "cpu" and host.is_pinned()
-        dst.copy_(src, non_blocking=async_ok)
-        for t in (dst, src):
-            if t.device.type == "cuda":
-                devices.add(t.device)
-    for dev in devices:
-        torch.cuda.current_stream(dev).synchronize()
-
-
-def _host_bytes(t: torch.Tensor) -> bool:
-    """A contiguous uint8 CPU tensor: its numpy view shares the bytes."""
-    return t.device.type == "cpu" and t.dtype == torch.uint8 and t.is_contiguous()
+        super().__init__(capacity_bytes, slot_bytes, device="cpu", pin=pin, prefault=prefault, shared=shared)

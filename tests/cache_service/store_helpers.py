@@ -28,8 +28,9 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
 
 
-def make_store(root, cpu_blocks: int = 16, disk_blocks: int | None = 4096, **store) -> TieredStore:
-    tiers = {"cpu": {"capacity": cpu_blocks * OBJ, "slot_bytes": OBJ}}
+def make_store(root, cpu_blocks: int = 16, disk_blocks: int | None = 4096, shared: bool = False,
+               **store) -> TieredStore:
+    tiers = {"cpu": {"capacity": cpu_blocks * OBJ, "slot_bytes": OBJ, "shared": "yes" if shared else "no"}}
     if disk_blocks:
         tiers["disk"] = {"path": str(root), "capacity": disk_blocks * OBJ, "fsync": True}
     return open_store(load_config(env={}, overrides={"tiers": tiers, "store": store}))

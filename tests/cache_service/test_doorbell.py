@@ -30,11 +30,12 @@ def test_shared_memory_calls_ring_the_doorbell(start):
     d = start()
     with GrpcClient(url(d, "shm")) as c:
         # the daemon offered its socket at Attach and the client connected
-        assert c._bell is not None and d.servicer.doorbell == d.doorbell.path
+        assert c._near.bell is not None and d.servicer.doorbell == d.doorbell.path
         # a store and a load are answered there, not by gRPC, and counted as the same methods
+        # (after asking once for the daemon's pool, which this daemon does not share)
         hs = hashes(6)
         assert put(c, hs) == 6 and intact(c, hs)
-        assert d.doorbell.calls == 2
+        assert d.doorbell.calls == 3 and c._near.pool_refused
     # only the daemon's user may connect
     assert os.stat(d.doorbell.path).st_mode & 0o777 == 0o600
 
@@ -49,7 +50,7 @@ def test_the_doorbell_checks_tokens_and_attachment_tenants(start):
         # globex holding acme's attachment id still cannot use it
         globex = Bell(d.doorbell.path, TOKENS["globex"], 5.0)
         try:
-            req = pb.ShmRequest(ns=ns_to_pb(NS), hashes=hashes(3), attachment=acme._attachment)
+            req = pb.ShmRequest(ns=ns_to_pb(NS), hashes=hashes(3), attachment=acme._near.attachment)
             code, why = _refused(lambda: globex.call("LoadShm", req, pb.LoadShmReply))
             assert code == Code.PERMISSION_DENIED and "tenant" in why
         finally:
@@ -106,4 +107,4 @@ def test_a_broken_doorbell_costs_one_miss_then_grpc_carries_the_calls(start):
         assert c.load(NS, hs) == [None] * 4 and c.errors == 1
         # the client attaches again, without a doorbell now, and shared memory works through gRPC
         c._retry_at = 0.0
-        assert intact(c, hs) and c.transport == "shm" and c._bell is None
+        assert intact(c, hs) and c.transport == "shm" and c._near.bell is None

@@ -35,11 +35,13 @@ def start(tmp_path):
     """Start daemons over fresh stores; all are stopped at the end."""
     daemons = []
 
-    def _start(cpu_blocks: int = 64, disk: bool = True, auth: bool = False, **settings) -> Daemon:
-        if auth:
-            (tmp_path / "tokens.txt").write_text("".join(f"{t} {n}\n" for n, t in TOKENS.items()))
+    def _start(cpu_blocks: int = 64, disk: bool = True, auth: bool = False, shared: bool = False,
+               tokens: dict | None = None, **settings) -> Daemon:
+        if auth or tokens:
+            (tmp_path / "tokens.txt").write_text("".join(f"{t} {n}\n" for n, t in (tokens or TOKENS).items()))
             settings["token_file"] = str(tmp_path / "tokens.txt")
-        store = make_store(tmp_path / f"store{len(daemons)}", cpu_blocks=cpu_blocks, disk_blocks=4096 if disk else None)
+        store = make_store(tmp_path / f"store{len(daemons)}", cpu_blocks=cpu_blocks,
+                           disk_blocks=4096 if disk else None, shared=shared)
         settings.setdefault("listen", "127.0.0.1:0")
         s = ServerSettings(sessions_dir=str(tmp_path / "sessions"), **settings)
         daemons.append(Daemon(store, s).start())
@@ -83,8 +85,10 @@ def scrape(d: Daemon) -> dict:
 
 
 # ------------------------------------------------------------------ data paths
-# "stream" goes over the daemon's data lane (cache_service/lane.py), "grpc" streams through gRPC (no lane)
-TRANSPORTS = {"shm": ("shm", {}), "stream": ("stream", {}), "grpc": ("stream", {"lane_port": None})}
+# "stream" goes over the daemon's data lane (cache_service/lane.py), "grpc" streams through gRPC (no lane),
+# "pool" stores straight into the daemon's shared host pool (cache_service/pool.py)
+TRANSPORTS = {"shm": ("shm", {}), "pool": ("shm", {"shared": True}), "stream": ("stream", {}),
+              "grpc": ("stream", {"lane_port": None})}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -97,6 +101,8 @@ def test_round_trip_through_each_transport(start, transport):
         # store eight blocks; the daemon holds that prefix
         assert put(c, hs[:8]) == 8
         assert c.lookup(hs) == 8
+        # a same-host client stored straight into the pool when the daemon shares it
+        assert (c._near is not None and c._near.pool is not None) == ("shared" in settings)
         # load returns the same bytes, None past the stored prefix
         out = c.load(NS, hs)
         assert intact(c, hs[:8]) and out[8:] == [None, None]

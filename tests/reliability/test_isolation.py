@@ -77,7 +77,7 @@ def test_unauthenticated_and_wrong_tenant_requests_get_nothing(daemons, tmp_path
         }
         if acme.transport == "shm":
             cross["LoadShm"] = lambda: stub.LoadShm(pb.ShmRequest(ns=ns_to_pb(NS), hashes=hs,
-                                                                  attachment=acme._attachment),
+                                                                  attachment=acme._near.attachment),
                                                     metadata=bearer, timeout=10)
         for name, fn in cross.items():
             with pytest.raises(grpc.RpcError) as e:

@@ -144,7 +144,7 @@ def test_closed_pool_refuses_use(make_pool):
 def test_slot_deleted_during_a_read_is_not_reused_until_the_read_ends(make_pool, monkeypatch):
     pool = make_pool(2 * SLOT)
     pool.put_many([key(1)], [content(1)])
-    real_copy, raced = tiers.cpu._copy_all, []
+    real_copy, raced = tiers.cpu.copy_all, []
 
     def copy_after_race(pairs):
         # Another thread deletes the block being read and stores a new one first.
@@ -153,7 +153,7 @@ def test_slot_deleted_during_a_read_is_not_reused_until_the_read_ends(make_pool,
             raced.append(pool.put_many([key(2), key(3)], [content(2), content(3)]))
         real_copy(pairs)
 
-    monkeypatch.setattr(tiers.cpu, "_copy_all", copy_after_race)
+    monkeypatch.setattr(tiers.cpu, "copy_all", copy_after_race)
     got = pool.get_many([key(1)])[0]
     # The read still gets block 1; the freed slot was held back, so only one new block fit.
     assert raced == [1, [True, False]]

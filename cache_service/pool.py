@@ -1,0 +1,122 @@
+"""The shared-pool store: a same-host client writes block objects straight
+into the daemon's host pool (cache_service/direct.py), on the doorbell.
+
+A client segment (cache_service/shm.py) makes a store cost two copies and
+two hash passes: the client encodes into its segment, the daemon checks the
+objects and copies them into its pool. When the top tier is a shared pool
+(`[tiers.cpu] shared`, on under `tierkv serve`), three doorbell ops make it
+one copy, hashed while in cache:
+
+- MAP_POOL (PoolRequest) -> PoolReply and, passed over the Unix socket, the
+  pool's memfd, which the client maps read-write. Refused unless the daemon
+  serves a single tenant: every mapping sees the whole pool.
+- RESERVE (BlocksRequest) -> ReserveReply: a free slot per block (room is
+  made as a put makes it), or held / no room. The slots are the
+  connection's lease: whatever it has not committed when it ends (the
+  client closed it, or died) goes back to the free list.
+- COMMIT (CommitRequest) -> StoreReply: the client wrote each block's object
+  into its slot; the daemon checks the headers and publishes the blocks.
+  Only slots this connection reserved, for the same blocks, are accepted.
+
+Why this is safe enough to be on by default: one tenant only (another
+tenant's blocks are never mapped), the pool is verified on every load (a
+scribbled payload is a miss, not a wrong answer), and a slot is written only
+between its reservation and its commit by the connection that holds it.
+"""
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from cache_service.doorbell import COMMIT, MAP_POOL, RESERVE, Connection
+from cache_service.objects import object_size
+from cache_service.rpc import parse
+from cache_service.wire import RequestError, invalid
+from proto import tierkv_pb2 as pb
+from tiers.types import BlockHash
+
+
+class Lease:
+    """The slots one doorbell connection has reserved and not yet committed."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.slots: dict[int, BlockHash] = {}  # slot -> the store key it was reserved for
+        self._lock = threading.Lock()
+
+    def add(self, keys: list[BlockHash], slots: list[int]) -> None:
+        with self._lock:
+            self.slots.update((s, k) for k, s in zip(keys, slots) if s >= 0)
+
+    def take(self, keys: list[BlockHash], slots: list[int]) -> None:
+        """Remove `slots` from the lease; INVALID_ARGUMENT (taking none) unless
+        each was reserved here for the key beside it."""
+        with self._lock:
+            wrong = next((j for j, (k, s) in enumerate(zip(keys, slots)) if self.slots.get(s) != k), None)
+            if wrong is None and len(set(slots)) == len(slots):
+                for s in slots:
+                    del self.slots[s]
+                return
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"Commit: slot {slots[wrong] if wrong is not None else '(repeated)'} is not one this "
+                           f"connection reserved for that block")
+
+    def release(self) -> None:
+        with self._lock:
+            slots, self.slots = list(self.slots), {}
+        self.store.unreserve(slots)
+
+
+def _lease(servicer, conn: Connection) -> Lease:
+    if conn.lease is None:
+        conn.lease = Lease(servicer.store)
+        conn.on_close.append(conn.lease.release)
+    return conn.lease
+
+
+def _pool(servicer):
+    pool = servicer.store.shared_pool()
+    if pool is None:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon's top tier is not a shared pool")
+    if servicer.auth.tenant_count() > 1:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "the daemon serves several tenants: its pool is not shared")
+    return pool
+
+
+def map_pool(servicer, conn: Connection, body: bytes, tenant: str | None):
+    """MAP_POOL: the pool's geometry, its memfd attached to the reply."""
+    request = parse(pb.PoolRequest, body, "MapPool")
+    pool = _pool(servicer)
+    ns, _ = servicer._blocks(pb.BlocksRequest(ns=request.ns), tenant)
+    pool.reserve([], object_size(ns))  # sizes a pool still waiting for its first block
+    conn.fds = [pool.share_fd]
+    return pb.PoolReply(slot_bytes=pool.slot_bytes, slot_stride=pool.slot_stride, num_slots=pool.num_slots), []
+
+
+def reserve(servicer, conn: Connection, body: bytes, tenant: str | None):
+    """RESERVE: a slot (or held / no room) per block, leased to this connection."""
+    request = parse(pb.BlocksRequest, body, "Reserve")
+    _pool(servicer)
+    ns, keys = servicer._blocks(request, tenant)
+    servicer._check_request_bytes(len(keys), ns)
+    slots = servicer.store.reserve(ns, keys)
+    _lease(servicer, conn).add(keys, slots)
+    return pb.ReserveReply(slots=slots), []
+
+
+def commit(servicer, conn: Connection, body: bytes, tenant: str | None):
+    """COMMIT: publish leased slots the client has written."""
+    request = parse(pb.CommitRequest, body, "Commit")
+    ns, keys = servicer._blocks(request, tenant)
+    slots = list(request.slots)
+    if len(slots) != len(keys):
+        raise invalid(f"Commit: {len(slots)} slots for {len(keys)} hashes")
+    _lease(servicer, conn).take(keys, slots)
+    stored = servicer.store.commit(ns, keys, slots)
+    servicer.metrics.moved(tenant, "store", len(keys) * ns.payload_bytes)
+    return pb.StoreReply(stored=stored), []
+
+
+HANDLERS = {MAP_POOL: ("MapPool", map_pool), RESERVE: ("Reserve", reserve), COMMIT: ("Commit", commit)}

@@ -1,0 +1,307 @@
+"""The same-host paths of a `GrpcClient`: its shared-memory segment, the
+daemon's doorbell and, when the daemon shares it, the daemon's host pool.
+
+- Loads: the daemon copies each hit's object into this client's segment
+  and verifies it there (LoadShm; cache_service/shm.py).
+- Stores: into the daemon's pool when it offers it (cache_service/pool.py):
+  Reserve slots, encode each block's object straight into its slot (one
+  copy, hashed while in cache), Commit. Else, or for blocks the pool has no
+  room for, encoded into the segment and checked and copied by the daemon
+  (StoreShm).
+
+Calls ring the doorbell when the daemon offered one (AttachReply.doorbell),
+else go through gRPC; the pool needs the doorbell (its memfd is passed over
+the Unix socket). A failure drops the segment, the doorbell and the pool
+mapping (the daemon then hands back any slots still reserved); a later call
+attaches anew.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import grpc
+import torch
+
+from cache_service.doorbell import Bell, BellError
+from cache_service.keys import Namespace
+from cache_service.objects import HEADER_SIZE, encode_rows, fill_payloads, object_size
+from cache_service.shm import Segment
+from cache_service.wire import ns_to_pb, torch_dtype
+from proto import tierkv_pb2 as pb
+from tiers.types import BlockHash, TierKVError
+
+if TYPE_CHECKING:
+    from connectors.grpc_client import GrpcClient
+
+NO_ROOM = -2  # a Reserve answer: store this block another way
+CHUNK_BYTES = 8 << 20  # a pool store's unit: the daemon commits one while the client fills the next
+
+
+class ProtocolError(TierKVError):
+    """The daemon answered something this client does not understand."""
+
+
+@dataclass(slots=True)
+class _Pool:
+    rows: torch.Tensor  # [num_slots, slot_bytes] of this process's mapping of the daemon's pool
+    slot_bytes: int
+
+
+class SameHost:
+    """One client's segment, doorbell and pool mapping (callers hold `lock`)."""
+
+    def __init__(self, client: "GrpcClient", nbytes: int) -> None:
+        self.client, self.nbytes = client, nbytes
+        self.seg: Segment | None = None
+        self.attachment = ""
+        self.bell: Bell | None = None
+        self.pool: _Pool | None = None
+        self.pool_refused = False  # the daemon does not share its pool (asked once per doorbell)
+        self.retry_at = 0.0
+        self.lock = threading.Lock()
+
+    def attach(self) -> None:
+        c = self.client
+        seg = Segment(self.nbytes)
+        try:
+            reply = c.call("Attach", pb.AttachRequest(name=seg.name, nonce=seg.nonce))
+        except BaseException:
+            seg.close()
+            raise
+        seg.unlink()  # the daemon maps it now; no name left behind if anyone dies
+        self.seg, self.attachment = seg, reply.attachment
+        self.bell = Bell.open(reply.doorbell, c.token, c.timeout_s) if reply.doorbell else None
+
+    def close_bell(self) -> None:
+        """Hang up the doorbell; the pool mapping goes with it (the daemon hands back its slots)."""
+        bell, self.bell, self.pool, self.pool_refused = self.bell, None, None, False
+        if bell is not None:
+            bell.close()
+
+    def drop(self) -> None:
+        """Stop using the segment: the daemon forgot it (restart) or may still
+        be writing into it (a call that timed out). A new one is attached on
+        a later call (`segment`)."""
+        with self.lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        old, self.seg = self.seg, None
+        self.close_bell()
+        if old is not None:
+            old.close()
+            self.retry_at, self.client.transport = time.monotonic(), "stream"
+
+    def segment(self) -> Segment | None:
+        """The attached segment; re-attaches a dropped one, at most every 10 s."""
+        if self.seg is None and self.nbytes and time.monotonic() >= self.retry_at:
+            with self.lock:
+                if self.seg is None:
+                    try:
+                        self.attach()
+                        self.client.transport = "shm"
+                    except (OSError, grpc.RpcError):
+                        self.retry_at = time.monotonic() + 10.0
+        return self.seg
+
+    def room(self, ns: Namespace) -> int:
+        """Bytes of the segment when it can carry this namespace's blocks, else 0."""
+        seg = self.segment()
+        return seg.data_bytes if seg is not None and object_size(ns) <= seg.data_bytes else 0
+
+    def call(self, name: str, request, reply_type):
+        """A shared-memory call (caller holds `lock`): on the doorbell when the
+        daemon offered one, else through gRPC."""
+        return self.bell.call(name, request, reply_type) if self.bell is not None else self.client.call(name, request)
+
+    def close(self) -> None:
+        self.nbytes = 0  # no re-attaching after this
+        seg, self.seg = self.seg, None
+        self.close_bell()
+        if seg is not None:
+            try:
+                self.client.call("Detach", pb.DetachRequest(attachment=self.attachment), timeout_s=2.0)
+            except grpc.RpcError:
+                pass  # the daemon reaps idle attachments itself
+            seg.close()
+
+    # ------------------------------------------------------------ data paths
+    def load(self, ns: Namespace, hashes: Sequence[BlockHash], lend: bool) -> list[torch.Tensor | None] | None:
+        """Block i's object lands at i * object_size in a stretch of the segment
+        (the daemon verified it there). With `lend` the payloads handed out
+        are views of that stretch, which stays reserved while any of them is
+        alive (zero copies here); otherwise each is copied out once. None:
+        no segment, or no room in it (the caller streams)."""
+        P, S = ns.payload_bytes, object_size(ns)
+        with self.lock:
+            if self.seg is None:  # lost meanwhile (see drop)
+                return None
+            got = (self.seg.stretch(len(hashes) * S, lend=True) if lend else None)
+            lent = got is not None
+            got = got or self.seg.stretch(len(hashes) * S)
+            if got is None:  # the caller still holds earlier blocks all over the segment
+                return None
+            offset, area = got
+            req = pb.ShmRequest(ns=ns_to_pb(ns), hashes=list(hashes), attachment=self.attachment, offset=offset)
+            sizes = list(self.call("LoadShm", req, pb.LoadShmReply).sizes)
+            _check_sizes(sizes, len(hashes), P)
+            payloads = _payload_views(area, ns, len(hashes))
+            if not lent:
+                payloads = [p.clone() if s else p for p, s in zip(payloads, sizes)]
+        return [p if s else None for p, s in zip(payloads, sizes)]
+
+    def store(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int | None:
+        """Into the daemon's pool when it shares one, else through the segment;
+        None when neither can take the batch now (the caller streams)."""
+        with self.lock:
+            pool = self._pool(ns)
+            if pool is None:
+                return self._store_segment(ns, hashes, payloads)
+            try:
+                stored, rest = self._store_pool(pool, ns, hashes, payloads)
+            except BaseException:  # replies may be left unread: start afresh (the daemon frees the slots)
+                self._drop()
+                raise
+            if rest:  # the pool is full of pinned blocks: the daemon places these below
+                more = self._store_segment(ns, [hashes[j] for j in rest], [payloads[j] for j in rest])
+                return None if more is None and len(rest) == len(hashes) else stored + (more or 0)
+            return stored
+
+    def _store_pool(self, pool: _Pool, ns: Namespace, hashes: Sequence[BlockHash],
+                    payloads: Sequence[torch.Tensor]) -> tuple[int, list[int]]:
+        """Reserve, fill and commit in chunks of about CHUNK_BYTES, pipelined:
+        the daemon reserves the next chunk and commits the last one while
+        this process fills the current one. (stored, positions with no room)."""
+        chunks = _chunks(len(hashes), max(1, CHUNK_BYTES // object_size(ns)))
+        replies = _Replies(self.bell, pool.rows.shape[0])
+        replies.reserve(ns, [hashes[j] for j in chunks[0]])
+        rest: list[int] = []
+        for k, chunk in enumerate(chunks):
+            if k + 1 < len(chunks):
+                replies.reserve(ns, [hashes[j] for j in chunks[k + 1]])
+            slots = replies.slots(k)
+            todo = [(j, s) for j, s in zip(chunk, slots) if s >= 0]
+            rest += [j for j, s in zip(chunk, slots) if s == NO_ROOM]
+            if todo:
+                hs, ss = [hashes[j] for j, _ in todo], [s for _, s in todo]
+                fill_payloads(pool.rows, ss, ns, [payloads[j] for j, _ in todo])
+                replies.commit(ns, hs, ss)
+        return replies.finish(), rest
+
+    def _store_segment(self, ns: Namespace, hashes: Sequence[BlockHash],
+                       payloads: Sequence[torch.Tensor]) -> int | None:
+        """Objects encoded straight into the segment (copied and hashed in one
+        pass); the daemon checks them and copies each once into its pool."""
+        S = object_size(ns)
+        got = None if self.seg is None else self.seg.stretch(len(hashes) * S)
+        if got is None:  # no segment, or loaded blocks the caller holds fill it
+            return None
+        offset, area = got
+        encode_rows(area.view(len(hashes), S), ns, hashes, payloads)
+        req = pb.ShmRequest(ns=ns_to_pb(ns), hashes=list(hashes), attachment=self.attachment, offset=offset)
+        return self.call("StoreShm", req, pb.StoreReply).stored
+
+    def _pool(self, ns: Namespace) -> _Pool | None:
+        """This process's mapping of the daemon's pool, mapped on first use;
+        None without a doorbell, when the daemon does not share its pool, or
+        when this namespace's objects do not fit its slots."""
+        if self.pool is None and self.bell is not None and not self.pool_refused:
+            try:
+                reply, fd = self.bell.call_fd("MapPool", pb.PoolRequest(ns=ns_to_pb(ns)), pb.PoolReply)
+            except BellError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                self.pool_refused = True
+                return None
+            self.pool = _map(fd, reply)
+        pool = self.pool
+        return pool if pool is not None and object_size(ns) <= pool.slot_bytes else None
+
+
+class _Replies:
+    """The calls of one pipelined pool store, posted on the doorbell and
+    answered in order: Reserve replies are kept per chunk, Commit replies
+    summed."""
+
+    def __init__(self, bell: Bell, num_slots: int) -> None:
+        self.bell, self.num_slots = bell, num_slots
+        self.pending: deque[tuple[str, int]] = deque()  # (call, its Reserve chunk or its Commit's block count)
+        self.reserved: list[list[int]] = []
+        self.stored = 0
+
+    def reserve(self, ns: Namespace, hashes: list[BlockHash]) -> None:
+        self.bell.post("Reserve", pb.BlocksRequest(ns=ns_to_pb(ns), hashes=hashes))
+        self.pending.append(("Reserve", len(hashes)))
+
+    def commit(self, ns: Namespace, hashes: list[BlockHash], slots: list[int]) -> None:
+        self.bell.post("Commit", pb.CommitRequest(ns=ns_to_pb(ns), hashes=hashes, slots=slots))
+        self.pending.append(("Commit", len(hashes)))
+
+    def slots(self, k: int) -> list[int]:
+        """The slots chunk k got (waiting for the replies before it)."""
+        while len(self.reserved) <= k:
+            self._next()
+        return self.reserved[k]
+
+    def finish(self) -> int:
+        while self.pending:
+            self._next()
+        return self.stored
+
+    def _next(self) -> None:
+        name, n = self.pending.popleft()
+        if name == "Commit":
+            self.stored += self.bell.answer(name, pb.StoreReply).stored
+            return
+        slots = list(self.bell.answer(name, pb.ReserveReply).slots)
+        if len(slots) != n or any(not NO_ROOM <= s < self.num_slots for s in slots):
+            raise ProtocolError(f"daemon answered Reserve of {n} blocks with slots {slots[:8]}...")
+        self.reserved.append(slots)
+
+
+def _chunks(n: int, per: int) -> list[list[int]]:
+    """Positions 0..n-1 in chunks of `per`, the first and the last a quarter
+    of that: filling starts after a short Reserve, and the daemon's last
+    seal, which no filling overlaps, is short."""
+    edge = max(1, per // 4)
+    if n <= 2 * edge:
+        return [list(range(n))]
+    cuts = [0, edge]
+    while cuts[-1] + per < n - edge:
+        cuts.append(cuts[-1] + per)
+    cuts += [n - edge, n]
+    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+
+
+def _map(fd: int, reply: pb.PoolReply) -> _Pool:
+    """Map the daemon's pool (fd: its memfd, closed here) as [num_slots, slot_bytes] rows."""
+    try:
+        size = reply.num_slots * reply.slot_stride
+        if not reply.num_slots or reply.slot_bytes > reply.slot_stride or reply.slot_stride % mmap.PAGESIZE:
+            raise ProtocolError(f"daemon announced a pool of {reply.num_slots} slots of {reply.slot_bytes} "
+                                f"bytes, {reply.slot_stride} apart")
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    finally:
+        os.close(fd)
+    rows = torch.frombuffer(mm, dtype=torch.uint8).view(reply.num_slots, reply.slot_stride)
+    return _Pool(rows[:, :reply.slot_bytes], reply.slot_bytes)
+
+
+def _check_sizes(sizes: Sequence[int], n: int, payload_bytes: int) -> None:
+    if len(sizes) != n or any(s not in (0, payload_bytes) for s in sizes):
+        raise ProtocolError(f"daemon announced sizes {list(sizes)[:8]}... for {n} blocks of {payload_bytes} bytes")
+
+
+def _payload_views(area: torch.Tensor, ns: Namespace, n: int) -> list[torch.Tensor]:
+    """Payload views of the n objects laid out back to back in `area`: one
+    strided view, unbound (a view per block built in Python costs more than
+    copying a small block)."""
+    S, item = object_size(ns), torch_dtype(ns).itemsize
+    rows = area[: n * S].view(torch_dtype(ns)).view(n, S // item)
+    return list(rows[:, HEADER_SIZE // item:].view(n, *ns.block_shape).unbind(0))

@@ -1,0 +1,154 @@
+"""The shared-pool store: a same-host client reserves slots of the daemon's
+host pool, copies payloads straight into them, and the daemon seals and
+publishes them (cache_service/pool.py, cache_service/direct.py)."""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import grpc
+import pytest
+import torch
+
+from cache_service.doorbell import Bell, BellError
+from cache_service.objects import HEADER_SIZE, fill_payloads, object_size
+from cache_service.wire import ns_to_pb
+from connectors.grpc_client import GrpcClient
+from connectors.grpc_shm import _chunks
+from proto import tierkv_pb2 as pb
+from tests.cache_service.store_helpers import NS, hashes, payload_for
+from tests.cache_service.test_server import TOKENS, intact, put, start, url  # noqa: F401 (fixture)
+
+Code = grpc.StatusCode
+S = object_size(NS)
+
+
+def _free_slots(d) -> int:
+    return d.store.tiers[0].free_bytes() // d.store.tiers[0].slot_bytes
+
+
+def _reserve(bell: Bell, hs) -> list[int]:
+    return list(bell.call("Reserve", pb.BlocksRequest(ns=ns_to_pb(NS), hashes=hs), pb.ReserveReply).slots)
+
+
+def _commit(bell: Bell, hs, slots):
+    return bell.call("Commit", pb.CommitRequest(ns=ns_to_pb(NS), hashes=hs, slots=slots), pb.StoreReply)
+
+
+def _map(bell: Bell):
+    reply, fd = bell.call_fd("MapPool", pb.PoolRequest(ns=ns_to_pb(NS)), pb.PoolReply)
+    try:
+        mm = mmap.mmap(fd, reply.num_slots * reply.slot_stride, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8).view(reply.num_slots, reply.slot_stride)[:, :reply.slot_bytes]
+
+
+def test_a_same_host_client_stores_straight_into_the_daemons_pool(start):
+    d = start(shared=True)
+    with GrpcClient(url(d, "shm")) as c:
+        # the first store maps the daemon's pool (its memfd came over the doorbell) and lands in it
+        hs = hashes(40)
+        assert put(c, hs) == 40 and c._near.pool is not None
+        assert d.store.stats()["cpu"]["blocks"] == 40
+        # the blocks read back intact, through the verified load path
+        assert intact(c, hs)
+        # storing them again reserves nothing: they are held
+        free = _free_slots(d)
+        assert put(c, hs) == 0 and _free_slots(d) == free
+        # and they reach the disk tier below like any other block
+        assert d.store.flush(60) and d.store.tiers[1].contains_many(hs) == [True] * 40
+
+
+def test_reserved_slots_go_back_when_their_connection_ends(start):
+    d = start(shared=True)
+    free = _free_slots(d)
+    bell = Bell(d.doorbell.path, None, 10.0)
+    # a client reserves four slots and dies before committing
+    _map(bell)
+    slots = _reserve(bell, hashes(4))
+    assert all(s >= 0 for s in slots) and _free_slots(d) == free - 4
+    bell.close()
+    # the daemon hands them back; nothing was published
+    deadline = time.monotonic() + 10
+    while _free_slots(d) != free and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _free_slots(d) == free
+    with GrpcClient(url(d, "stream")) as c:
+        assert c.lookup(hashes(4)) == 0
+
+
+def test_commit_takes_only_the_slots_its_connection_reserved_for_those_blocks(start):
+    d = start(shared=True)
+    a, b = Bell(d.doorbell.path, None, 10.0), Bell(d.doorbell.path, None, 10.0)
+    try:
+        rows = _map(a)
+        hs = hashes(3)
+        slots = _reserve(a, hs)
+        fill_payloads(rows, slots, NS, [payload_for(h) for h in hs])
+        # another connection cannot commit them
+        with pytest.raises(BellError) as e:
+            _commit(b, hs, slots)
+        assert e.value.code() == Code.INVALID_ARGUMENT and "reserved" in e.value.details()
+        # nor can their owner under other hashes, or one slot twice
+        for bad_hs, bad_slots in ((hashes(3, start=50), slots), (hs[:2], [slots[0], slots[0]])):
+            with pytest.raises(BellError) as e:
+                _commit(a, bad_hs, bad_slots)
+            assert e.value.code() == Code.INVALID_ARGUMENT
+        # a refused commit took nothing from the lease: the right one still works
+        assert _commit(a, hs, slots).stored == 3
+        with GrpcClient(url(d, "stream")) as c:
+            assert intact(c, hs)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_payload_scribbled_after_its_commit_is_a_miss_not_a_wrong_answer(start):
+    d = start(shared=True, disk=False)
+    with GrpcClient(url(d, "shm")) as c:
+        hs = hashes(4)
+        assert put(c, hs) == 4
+        # a byte of block 2's payload changes in the pool after it was sealed
+        slot = d.store.tiers[0]._index[hs[2]][0]
+        c._near.pool.rows[slot, HEADER_SIZE + 7] ^= 0xFF
+        # loads verify the shared pool: block 2 is a miss (and quarantined), the others are intact
+        got = c.load(NS, hs)
+        assert got[2] is None and intact(c, hs[:2]) and intact(c, hs[3:])
+        assert d.store.stats()["cpu"]["corrupt"] == 1 and c.lookup(hs) == 2
+
+
+def test_the_pool_is_shared_with_one_tenant_only(start):
+    # two tenants: the pool is not offered, stores go through the client's segment
+    d = start(shared=True, auth=True)
+    with GrpcClient(url(d, "shm"), token=TOKENS["acme"]) as c:
+        assert put(c, hashes(3)) == 3 and intact(c, hashes(3))
+        assert c._near.pool is None and c._near.pool_refused
+    # one tenant: offered, and the daemon heads the blocks with that tenant's keys
+    d = start(shared=True, tokens={"acme": TOKENS["acme"]})
+    with GrpcClient(url(d, "shm"), token=TOKENS["acme"]) as c:
+        assert put(c, hashes(3)) == 3 and c._near.pool is not None
+        assert intact(c, hashes(3)) and d.store.tiers[0].contains_many(hashes(3)) == [False] * 3
+
+
+def test_blocks_the_pool_has_no_room_for_go_the_usual_way(start):
+    d = start(shared=True, cpu_blocks=4)
+    with GrpcClient(url(d, "shm")) as c:
+        # the pool is full of pinned blocks
+        pinned = hashes(4, start=300)
+        assert put(c, pinned) == 4
+        c.pin(pinned, ns=NS)
+        # new blocks get no slot; the daemon places them below, and they read back
+        hs = hashes(3)
+        assert put(c, hs) == 0 and c._near.pool is not None
+        assert d.store.flush(60) and intact(c, hs) and intact(c, pinned)
+
+
+def test_a_store_is_cut_in_chunks_with_short_first_and_last_ones():
+    # every position once, in order; the chunks at both ends a quarter of the others
+    for n, per in ((91, 22), (1, 22), (10, 22), (16, 4), (100, 1)):
+        chunks = _chunks(n, per)
+        assert sum(chunks, []) == list(range(n))
+        assert max(len(c) for c in chunks) <= per
+    assert [len(c) for c in _chunks(91, 22)] == [5, 22, 22, 22, 15, 5]
