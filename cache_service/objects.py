@@ -278,6 +278,8 @@ def write_headers(rows: torch.Tensor, ns: Namespace, keys: Sequence[BlockHash], 
 def headers(ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int]) -> torch.Tensor:
     """The ``[n, HEADER_SIZE]`` headers of (ns, keys[i]) with payload checksum sums[i]."""
     heads = b"".join(header(ns, key, c) for key, c in zip(keys, sums))
+    if not heads:  # frombuffer refuses an empty buffer
+        return torch.empty((0, HEADER_SIZE), dtype=torch.uint8)
     return torch.frombuffer(bytearray(heads), dtype=torch.uint8).view(-1, HEADER_SIZE)
 
 

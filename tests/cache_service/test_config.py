@@ -36,6 +36,8 @@ def test_toml_env_and_overrides_layer_in_order(tmp_path):
     ("[store]\nqueue_depth = 'many'\n", "store.queue_depth"),
     ("[tiers.disk]\npath = '/x'\n", "tiers.disk.capacity"),
     ("[tiers.cpu]\ncapacity = 'lots'\n", "tiers.cpu.capacity"),
+    ("[tiers.cpu]\ncapacity = '1GiB'\nshared = 'sometimes'\n", "shared"),
+    ("[tiers.cpu]\ncapacity = '1GiB'\nshared = 'yes'\npin = 'yes'\n", "shared pool is not page-locked"),
     ("not toml at all [", "not valid TOML"),
 ])
 def test_bad_config_names_the_key(tmp_path, text, needle):

@@ -106,3 +106,24 @@ def test_encoding_many_rows_equals_encoding_each_block(batched_copy, monkeypatch
     with pytest.raises(ValueError, match="bytes"):
         encode_rows(rows, NS, H[1:3], [payloads[0], torch.zeros(3, dtype=torch.bfloat16)])
     assert torch.equal(rows, before)
+
+
+@pytest.mark.parametrize("size", [64, objects.FUSE_BYTES // 2, 2 * objects.FUSE_BYTES + 3])
+def test_copy_hashed_copies_and_hashes_as_the_separate_steps_do(size):
+    # small blocks copied in groups, a large one in pieces: the same bytes and the same xxh3 as one-shot hashing
+    srcs = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(5)]
+    dsts = [torch.empty(size, dtype=torch.uint8) for _ in range(5)]
+    sums = objects.copy_hashed(dsts, srcs)
+    assert sums == [checksum(s) for s in srcs] and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+
+
+def test_fill_payloads_writes_only_the_payloads_of_the_chosen_rows():
+    # payloads land past the header of rows 3 and 1; every other byte stays as it was
+    rows = torch.full((5, object_size(NS) + 32), 0xAA, dtype=torch.uint8)
+    before = rows.clone()
+    payloads = [_payload(20), _payload(21)]
+    objects.fill_payloads(rows, [3, 1], NS, payloads)
+    for r, p in zip((3, 1), payloads):
+        assert torch.equal(rows[r, HEADER_SIZE:object_size(NS)], p.view(-1).view(torch.uint8))
+        rows[r, HEADER_SIZE:object_size(NS)] = 0xAA
+    assert torch.equal(rows, before)

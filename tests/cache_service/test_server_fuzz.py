@@ -3,6 +3,8 @@ through gRPC, the same-host doorbell and the data lane; every one is answered wi
 client-error status at worst, and the blocks stored before stay intact."""
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +22,7 @@ from tests.cache_service.store_helpers import NS, hashes, make_store
 from tests.cache_service.test_server import P, intact, put, raw, url
 
 Code = grpc.StatusCode
+REPLIES = {"LoadShm": pb.LoadShmReply, "Reserve": pb.ReserveReply}
 ANSWERS = {Code.OK, Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.PERMISSION_DENIED, Code.NOT_FOUND,
            Code.FAILED_PRECONDITION}
 _text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
@@ -50,7 +53,7 @@ _session = st.builds(pb.Session, session_id=st.one_of(st.sampled_from(["s1", "s2
 @pytest.fixture(scope="module")
 def fuzz_target(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
-    d = Daemon(make_store(root / "store", cpu_blocks=32), ServerSettings(
+    d = Daemon(make_store(root / "store", cpu_blocks=32, shared=True), ServerSettings(
         listen="127.0.0.1:0", sessions_dir=str(root), max_blocks=8, max_request_bytes=8 * P)).start()
     seg = Segment(8 * P)
     stub = raw(d)
@@ -80,6 +83,11 @@ def _requests(aid: str):
         st.tuples(st.sampled_from(["Load", "lane:Load"]), st.builds(pb.LoadRequest, ns=_maybe_ns, hashes=_hashes)),
         st.tuples(st.just("Store"), st.builds(_store_stream, _maybe_ns, _hashes, _data, st.integers(0, 1))),
         st.tuples(st.sampled_from(["LoadShm", "StoreShm", "bell:LoadShm", "bell:StoreShm"]), shm),
+        # the shared pool's calls (doorbell only): slots from the pool, past it, negative, repeated
+        st.tuples(st.just("bell:MapPool"), st.builds(pb.PoolRequest, ns=_namespaces)),
+        st.tuples(st.just("bell:Reserve"), st.builds(pb.BlocksRequest, ns=_maybe_ns, hashes=_hashes)),
+        st.tuples(st.just("bell:Commit"), st.builds(pb.CommitRequest, ns=_maybe_ns, hashes=_hashes, slots=st.lists(
+            _mostly(st.integers(-3, 40), st.integers(-(2**63), 2**63 - 1)), max_size=6))),
         st.tuples(st.just("Pin"), st.builds(pb.PinRequest, ns=_maybe_ns, hashes=_hashes, ttl_s=st.floats())),
         st.tuples(st.just("SaveSession"), st.builds(pb.SaveSessionRequest, session=_session, ns=_maybe_ns,
                                                     pin=st.booleans())),
@@ -97,9 +105,12 @@ def _send(stub, bell, lane_port: int, method: str, request):
             return lane.ask(LOAD, request.SerializeToString())
         finally:
             lane.close()
+    if method == "bell:MapPool":  # answered with the pool's descriptor
+        os.close(bell.call_fd("MapPool", request, pb.PoolReply)[1])
+        return None
     if method.startswith("bell:"):  # the same call rung on the same-host doorbell
         name = method.split(":")[1]
-        return bell.call(name, request, pb.LoadShmReply if name == "LoadShm" else pb.StoreReply)
+        return bell.call(name, request, REPLIES.get(name, pb.StoreReply))
     rpc = getattr(stub, method)
     if method == "Load":
         return list(rpc(request))

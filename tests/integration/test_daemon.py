@@ -68,9 +68,9 @@ def test_both_paths_round_trip_and_a_restart_keeps_disk_blocks(daemons):
     a, b = hashes(6), hashes(6, start=1000)
     shm, stream = connect(d.url("shm")), GrpcClient(d.url("stream"))
     assert (shm.transport, stream.transport) == ("shm", "stream")
-    # each path stores, and each reads what the other stored
+    # each path stores, and each reads what the other stored (the same-host one into the daemon's shared pool)
     assert put(shm, a) == 6 and put(stream, b) == 6
-    assert intact(shm, b) and intact(stream, a)
+    assert intact(shm, b) and intact(stream, a) and shm._near.pool is not None
     # SIGTERM: a clean exit after flushing the disk writes
     assert d.stop() == 0
     d.start()
@@ -83,6 +83,8 @@ def test_both_paths_round_trip_and_a_restart_keeps_disk_blocks(daemons):
         time.sleep(0.2)
     assert intact(shm, a) and intact(stream, b) and shm.transport == "shm"
     assert shm.daemon_stats()["shm_attachments"] == 1  # attached anew to the new daemon
+    # and stores into the new daemon's pool (mapped anew: the old one went with the old daemon)
+    assert put(shm, hashes(3, start=2000)) == 3 and shm._near.pool is not None and intact(stream, hashes(3, start=2000))
     shm.close()
     stream.close()
     assert d.stop() == 0

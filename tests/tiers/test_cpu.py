@@ -18,6 +18,7 @@ from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError
 SLOT = 256
 POOLS = {
     "cpu": lambda cap, slot=SLOT: CpuTier(cap, slot),
+    "cpu-shared": lambda cap, slot=SLOT: CpuTier(cap, slot, shared=True),  # in a memfd (tests/tiers/test_shared_pool.py)
     "hbm-on-cpu": lambda cap, slot=SLOT: HbmTier(cap, slot, device="cpu"),
 }
 

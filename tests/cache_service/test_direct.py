@@ -1,0 +1,62 @@
+"""Direct puts into a shared top tier: reserve makes room as a put does,
+commit seals and publishes, and the blocks then live like any other."""
+from __future__ import annotations
+
+import pytest
+
+from cache_service.direct import HELD, NO_ROOM
+from cache_service.objects import fill_payloads
+from tests.cache_service.store_helpers import NS, all_same, hashes, make_store, payload_for, write_flushed
+
+
+def _direct(store, hs) -> list[int]:
+    """What a same-host client does: reserve, copy the payloads in, commit."""
+    slots = store.reserve(NS, hs)
+    todo = [(h, s) for h, s in zip(hs, slots) if s >= 0]
+    fill_payloads(store.tiers[0].rows, [s for _, s in todo], NS, [payload_for(h) for h, _ in todo])
+    assert store.commit(NS, [h for h, _ in todo], [s for _, s in todo]) == len(todo)
+    return slots
+
+
+def test_committed_blocks_load_and_reach_the_tier_below(tmp_path):
+    with make_store(tmp_path, cpu_blocks=8, shared=True) as store:
+        # the daemon sealed what the client copied: loads verify and return it
+        hs = hashes(6)
+        assert min(_direct(store, hs)) >= 0
+        assert store.lookup(hs) == 6 and all_same(store.load(NS, hs), hs)
+        # write-through: the disk tier gets them too
+        assert store.flush(60) and store.tiers[1].contains_many(hs) == [True] * 6
+
+
+def test_reserve_evicts_like_a_put_and_skips_held_blocks(tmp_path):
+    with make_store(tmp_path, cpu_blocks=4, shared=True) as store:
+        old = hashes(4, start=100)
+        write_flushed(store, old)
+        # a held block gets no slot; making room for the rest sends victims down, not away
+        slots = _direct(store, [old[3], *hashes(2)])
+        assert slots[0] == HELD and min(slots[1:]) >= 0
+        assert store.stats()["cpu"]["evictions"] == 2 and store.lookup(old) == 4
+        assert all_same(store.load(NS, old), old)
+
+
+def test_a_pool_full_of_pinned_blocks_has_no_room(tmp_path):
+    with make_store(tmp_path, cpu_blocks=2, shared=True) as store:
+        pinned = hashes(2, start=200)
+        store.store(NS, pinned, [payload_for(h) for h in pinned])
+        store.pin(pinned)
+        assert store.reserve(NS, hashes(2)) == [NO_ROOM, NO_ROOM]
+
+
+def test_slots_not_committed_are_handed_back(tmp_path):
+    with make_store(tmp_path, cpu_blocks=4, shared=True) as store:
+        slots = store.reserve(NS, hashes(3))
+        assert store.tiers[0].free_bytes() == store.tiers[0].slot_bytes
+        store.unreserve(slots)
+        assert store.tiers[0].free_bytes() == 4 * store.tiers[0].slot_bytes and store.lookup(hashes(3)) == 0
+
+
+def test_only_a_shared_top_tier_takes_direct_puts(tmp_path):
+    with make_store(tmp_path, shared=False) as store:
+        assert store.shared_pool() is None
+        with pytest.raises(AssertionError):
+            store.reserve(NS, hashes(1))
