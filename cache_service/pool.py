@@ -12,8 +12,9 @@ one copy, hashed while in cache:
   serves a single tenant: every mapping sees the whole pool.
 - RESERVE (BlocksRequest) -> ReserveReply: a free slot per block (room is
   made as a put makes it), or held / no room. The slots are the
-  connection's lease: whatever it has not committed when it ends (the
-  client closed it, or died) goes back to the free list.
+  connection's lease, at most a request's worth (`max_request_bytes`) at a
+  time: whatever it has not committed when it ends (the client closed it,
+  or died) goes back to the free list.
 - COMMIT (CommitRequest) -> StoreReply: the client wrote each block's object
   into its slot; the daemon checks the headers and publishes the blocks.
   Only slots this connection reserved, for the same blocks, are accepted.
@@ -100,9 +101,14 @@ def reserve(servicer, conn: Connection, body: bytes, tenant: str | None):
     request = parse(pb.BlocksRequest, body, "Reserve")
     _pool(servicer)
     ns, keys = servicer._blocks(request, tenant)
-    servicer._check_request_bytes(len(keys), ns)
+    lease = _lease(servicer, conn)
+    held = len(lease.slots)  # a client may hold a request's worth of slots at a time, not the whole pool
+    if (held + len(keys)) * ns.payload_bytes > servicer.s.max_request_bytes:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"Reserve: {held} slots reserved and not committed here; {len(keys)} more would pass "
+                           f"the daemon's {servicer.s.max_request_bytes}-byte limit per request (commit first)")
     slots = servicer.store.reserve(ns, keys)
-    _lease(servicer, conn).add(keys, slots)
+    lease.add(keys, slots)
     return pb.ReserveReply(slots=slots), []
 
 

@@ -79,6 +79,23 @@ def test_reserved_slots_go_back_when_their_connection_ends(start):
         assert c.lookup(hashes(4)) == 0
 
 
+def test_a_connection_holds_at_most_a_requests_worth_of_slots(start):
+    d = start(shared=True, max_request_bytes=4 * NS.payload_bytes)
+    bell = Bell(d.doorbell.path, None, 10.0)
+    try:
+        # four slots reserved and not committed: a fifth is refused until they are
+        rows = _map(bell)
+        hs = hashes(5)
+        slots = _reserve(bell, hs[:4])
+        with pytest.raises(BellError) as e:
+            _reserve(bell, hs[4:])
+        assert e.value.code() == Code.RESOURCE_EXHAUSTED
+        fill_payloads(rows, slots, NS, [payload_for(h) for h in hs[:4]])
+        assert _commit(bell, hs[:4], slots).stored == 4 and min(_reserve(bell, hs[4:])) >= 0
+    finally:
+        bell.close()
+
+
 def test_commit_takes_only_the_slots_its_connection_reserved_for_those_blocks(start):
     d = start(shared=True)
     a, b = Bell(d.doorbell.path, None, 10.0), Bell(d.doorbell.path, None, 10.0)
