@@ -188,7 +188,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one block size, few repetitions (well under 60 s)")
     args = ap.parse_args()
-    reps = 5 if args.quick else 15
+    reps = 11 if args.quick else 15
     total = (32 if args.quick else 128) * 2**20  # payload bytes per measurement
     names = ["smollm2-135m"] if args.quick else list(SHAPES)
     figures = {}

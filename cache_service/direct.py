@@ -1,20 +1,22 @@
-"""Direct puts: block payloads another process writes straight into the top
+"""Direct puts: block objects another process writes straight into the top
 tier's slots (mixed into `TieredStore`, whose tiers, policies, locks and
 placement helpers it uses).
 
 The daemon's host pool can live in shared memory (`SlotPool(shared=True)`)
 that a same-host client maps (cache_service/pool.py). A store then costs one
 copy instead of two: `reserve` makes room (evicting as a put would) and
-hands out free slots that belong to nobody; the client copies each block's
-payload into its slot; `commit` seals them (computes each payload's
-checksum and writes each header, for the store's keys) and publishes them:
+hands out free slots that belong to nobody; the client encodes each block's
+object into its slot (each payload copied and hashed in one pass, while in
+cache); `commit` checks every header (a slot never written, or written for
+another block, fails the commit), re-heads the objects for the store's keys
+when they differ from what the client named (tenants), and publishes them:
 from then on they are blocks like any other (policy, directory,
-write-through copies below). The client and the daemon work at once: while
-the daemon seals one part of a store, the client fills the next (see
-connectors/grpc_shm.py), and the daemon hashes bytes that were written a
-moment ago, mostly from cache. A pool others write is verified on every
-load (`verify_payload`), so a payload changed after its commit is a miss,
-never a wrong answer.
+write-through copies below). The client does the copy and the hash, the
+daemon only checks headers, so neither reads the bytes twice and the two
+do not compete for memory bandwidth. Payload checksums are the client's,
+as on every store path; a pool others write is verified on every load
+(`verify_payload`), so a payload that does not match its checksum is a
+miss, never a wrong answer.
 """
 from __future__ import annotations
 
@@ -23,9 +25,9 @@ from typing import Sequence
 import torch
 
 from cache_service.keys import Namespace
-from cache_service.objects import HEADER_SIZE, headers, object_size, payload_checksum
+from cache_service.objects import HEADER_SIZE, claimed_in_heads, decode, headers, object_size
 from cache_service.writer import Item
-from tiers.types import BlockHash, CapacityError
+from tiers.types import BlockHash, CapacityError, CorruptBlockError
 
 HELD, NO_ROOM = -1, -2  # `reserve`'s answers for a block that gets no slot
 
@@ -63,30 +65,36 @@ class DirectPuts:
             out.append(HELD if ok else NO_ROOM if slot is None else slot)
         return out
 
-    def commit(self, ns: Namespace, keys: Sequence[BlockHash], slots: Sequence[int]) -> int:
-        """Seal and publish reserved `slots`, into which the client copied the
-        payloads of blocks `keys` under `ns`: each payload's checksum is
-        computed here and each header written here, then the blocks are
-        published. Returns how many were new to the top tier."""
+    def commit(self, sent_ns: Namespace, sent: Sequence[BlockHash], ns: Namespace,
+               keys: Sequence[BlockHash], slots: Sequence[int]) -> int:
+        """Publish reserved `slots`, into which the client wrote the objects of
+        `sent` under `sent_ns`, as the blocks `keys` under `ns`. All or
+        nothing: a header that is not exactly its block's (a slot never
+        written, or written for another block) raises CorruptBlockError and
+        hands every slot back. Returns how many blocks were new to the top tier."""
         pool, size = self.shared_pool(), object_size(ns)
-        assert pool is not None and len(keys) == len(slots)
+        assert pool is not None and len(sent) == len(keys) == len(slots)
         try:
-            table = pool.rows.numpy()
-            sums = [payload_checksum(table[s, :size]) for s in slots]
             idx = torch.tensor(list(slots), dtype=torch.long)
-            pool.rows[:, :HEADER_SIZE].index_copy_(0, idx, headers(ns, keys, sums))
+            claims = claimed_in_heads(pool.rows[:, :HEADER_SIZE].index_select(0, idx), sent_ns, sent)
+            bad = next((j for j, c in enumerate(claims) if c is None), None)
+            if bad is not None:  # decode names what is wrong
+                decode(pool.rows[slots[bad], :size], sent_ns, sent[bad], verify_payload=False)
+                raise CorruptBlockError("bad object header")  # pragma: no cover (decode raised)
+            if (sent_ns, list(sent)) != (ns, list(keys)):  # a tenant's keys: the payloads stay, headers change
+                pool.rows[:, :HEADER_SIZE].index_copy_(0, idx, headers(ns, keys, claims))
         except BaseException:
             pool.unreserve(slots)
             raise
         with self._locks[0]:
             done = pool.publish(keys, slots, size)
-            new = [(k, pool.rows[s, :size]) for k, s, ok in zip(keys, slots, done) if ok]
+            new = [(k, s) for k, s, ok in zip(keys, slots, done) if ok]
             for k, _ in new:
                 self.policies[0].insert(k)
         self._publish(0, [k for k, _ in new])
         for i in range(1, len(self.tiers)):  # writers hold objects past this call, and slots get reused
             if self.modes[i] == "through":
-                self._submit(i, [(k, obj.clone()) for k, obj in new if not self._below_has(i, k)])
+                self._submit(i, [(k, pool.rows[s, :size].clone()) for k, s in new if not self._below_has(i, k)])
         return len(new)
 
     def unreserve(self, slots: Sequence[int]) -> None:

@@ -108,14 +108,21 @@ class BlockMoves:
         or only pinned blocks are left; each victim, with its object when a
         tier below can take it, goes into `victims` (see `_evicted`)."""
         tier = self.tiers[i]
-        while tier.free_bytes() < need:
-            v = self.policies[i].victim(self._is_pinned)
-            if v is None:
+        while (short := need - tier.free_bytes()) > 0:
+            # as many victims as the tier's average block frees that much: one batched read and delete
+            used, blocks = tier.stats.used_bytes, tier.stats.blocks
+            picked = []
+            for _ in range(-(-short // max(1, used // blocks)) if blocks else 1):
+                v = self.policies[i].victim(self._is_pinned)
+                if v is None:
+                    break
+                picked.append(v)
+            if not picked:
                 break
-            obj = tier.get_many([v])[0] if i + 1 < len(self.tiers) else None
-            tier.delete_many([v])
-            self._publish(i, [v], present=False)
-            victims.append((v, obj))  # counted as an eviction even with nowhere to go
+            objs = tier.get_many(picked) if i + 1 < len(self.tiers) else [None] * len(picked)
+            tier.delete_many(picked)
+            self._publish(i, picked, present=False)
+            victims.extend(zip(picked, objs))  # counted as evictions even with nowhere to go
 
     def _evicted(self, i: int, victims: Sequence[Item]) -> None:
         """Count `_make_room`'s victims and send them down (outside the tier's lock)."""

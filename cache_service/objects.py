@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from cache_service.keys import KV_DTYPES, Namespace
-from tiers.host_copy import FUSE_BYTES, copy_many
+from tiers.host_copy import copy_hashed
 from tiers.types import BlockHash, CorruptBlockError
 
 
@@ -38,6 +38,7 @@ FORMAT_VERSION = 1
 HEADER_SIZE = 128
 _FIXED = struct.Struct("<4sHH16s16sIIIIBBHIQQ")
 _TAIL = struct.Struct("<Q")
+_HASH_FIELD = slice(24, 40)  # where a header holds its block hash
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(KV_DTYPES)}
 _CODEC_CODES = {"raw": 0}
 assert _FIXED.size == 80
@@ -57,12 +58,6 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 def checksum(payload: torch.Tensor) -> int:
     """xxh3_64 of a contiguous CPU tensor's bytes."""
     return xxhash.xxh3_64_intdigest(_as_bytes(payload))
-
-
-def payload_checksum(obj) -> int:
-    """`checksum` of an object's payload (its bytes past the header); `obj`
-    a 1-D uint8 CPU tensor or numpy array."""
-    return xxhash.xxh3_64_intdigest(_as_bytes(obj[HEADER_SIZE:]) if isinstance(obj, torch.Tensor) else obj[HEADER_SIZE:])
 
 
 def checksums(payloads: Sequence[torch.Tensor]) -> list[int]:
@@ -115,11 +110,16 @@ def claimed_checksums(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockH
     all rows at once, then each row's header checksum."""
     assert rows.dim() == 2 and rows.dtype == torch.uint8 and rows.shape[0] == len(hashes)
     assert rows.shape[1] == object_size(ns) and rows.device.type == "cpu"
+    return claimed_in_heads(rows[:, :HEADER_SIZE], ns, hashes)
+
+
+def claimed_in_heads(heads: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash]) -> list[int | None]:
+    """`claimed_checksums` from the objects' ``[n, HEADER_SIZE]`` headers alone."""
+    assert heads.dim() == 2 and tuple(heads.shape) == (len(hashes), HEADER_SIZE) and heads.dtype == torch.uint8
     if not hashes:
         return []
-    heads = rows[:, :HEADER_SIZE]
     want = _template(ns).expand(len(hashes), HEADER_SIZE).clone()
-    want[:, 24:40] = torch.frombuffer(bytearray(b"".join(hashes)), dtype=torch.uint8).view(-1, 16)
+    want[:, _HASH_FIELD] = _hash_rows(hashes)
     fixed = torch.cat([heads[:, :72], heads[:, _FIXED.size + _TAIL.size:]], 1)
     same = (fixed == torch.cat([want[:, :72], want[:, _FIXED.size + _TAIL.size:]], 1)).all(1).tolist()
     raw = heads[:, :_FIXED.size + _TAIL.size].numpy().tobytes()
@@ -141,22 +141,29 @@ def _template(ns: Namespace) -> torch.Tensor:
 def encode_rows(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash],
                 payloads: Sequence[torch.Tensor]) -> None:
     """`encode_into` for many blocks: row i of ``[n, object_size]`` uint8 CPU
-    `rows` becomes block i's object (the payload copies in one call)."""
+    `rows` becomes block i's object (each payload copied and hashed in one
+    pass, `tiers.host_copy.copy_hashed`)."""
     assert rows.dim() == 2 and rows.dtype == torch.uint8 and tuple(rows.shape) == (len(hashes), object_size(ns))
-    flats = [_flat(ns, p) for p in payloads]
-    if flats:
-        write_headers(rows, ns, hashes, copy_hashed(list(rows[:, HEADER_SIZE:].unbind(0)), flats))
+    encode_objects(rows, range(len(hashes)), ns, hashes, payloads)
 
 
-def fill_payloads(rows: torch.Tensor, slots: Sequence[int], ns: Namespace, payloads: Sequence[torch.Tensor]) -> None:
-    """Copy payload i into the payload bytes of row slots[i] of ``[num_rows,
-    >= object_size]`` uint8 CPU `rows` (a shared pool, whose owner writes the
-    headers: cache_service/direct.py), in one call."""
-    assert len(slots) == len(payloads) and rows.dtype == torch.uint8 and rows.dim() == 2
+def encode_objects(rows: torch.Tensor, slots: Sequence[int], ns: Namespace, hashes: Sequence[BlockHash],
+                   payloads: Sequence[torch.Tensor]) -> None:
+    """`encode_rows` into chosen rows: block i's object into ``rows[slots[i]]``
+    of a ``[num_rows, >= object_size]`` uint8 CPU tensor (a shared pool)."""
+    assert len(slots) == len(hashes) == len(payloads) and rows.dtype == torch.uint8 and rows.dim() == 2
     size = object_size(ns)
     assert rows.shape[1] >= size and rows.stride(1) == 1
+    flats = [_flat(ns, p).numpy() for p in payloads]  # all checked before anything is written
+    if not flats:
+        return
     table = rows.numpy()
-    _copy([table[s, HEADER_SIZE:size] for s in slots], [_flat(ns, p).numpy() for p in payloads])
+    sums = copy_hashed([table[s, HEADER_SIZE:size] for s in slots], flats)
+    rows[:, :HEADER_SIZE].index_copy_(0, torch.tensor(list(slots), dtype=torch.long), headers(ns, hashes, sums))
+
+
+def _hash_rows(hashes: Sequence[BlockHash]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b"".join(hashes)), dtype=torch.uint8).view(-1, 16)
 
 
 def _flat(ns: Namespace, payload: torch.Tensor) -> torch.Tensor:
@@ -164,51 +171,6 @@ def _flat(ns: Namespace, payload: torch.Tensor) -> torch.Tensor:
     if flat.numel() != ns.payload_bytes:
         raise ValueError(f"payload has {flat.numel()} bytes, namespace expects {ns.payload_bytes}")
     return flat
-
-
-def copy_hashed(dsts: Sequence, srcs: Sequence) -> list[int]:
-    """``dsts[i][:] = srcs[i]`` (1-D contiguous uint8 numpy arrays or CPU
-    tensors) and the xxh3_64 of each copy, hashed right after its bytes were
-    copied, while they are still in the core's cache: about the cost of the
-    copy alone, where copying then hashing reads memory twice
-    (docs/benchmarks.md). Blocks are copied in groups of about FUSE_BYTES, a
-    larger one in pieces."""
-    dsts = [d.numpy() if isinstance(d, torch.Tensor) else d for d in dsts]
-    srcs = [s.numpy() if isinstance(s, torch.Tensor) else s for s in srcs]
-    sums: list[int] = []
-    group: list[int] = []
-    size = 0
-    for i, d in enumerate(dsts):
-        if group and size + d.size > FUSE_BYTES:
-            _copy_and_hash(dsts, srcs, group, sums)
-            group, size = [], 0
-        if d.size <= FUSE_BYTES:
-            group.append(i)
-            size += d.size
-            continue
-        state = xxhash.xxh3_64()
-        for off in range(0, d.size, FUSE_BYTES):
-            piece = d[off: off + FUSE_BYTES]
-            _copy([piece], [srcs[i][off: off + FUSE_BYTES]])
-            state.update(piece)
-        sums.append(state.intdigest())
-    _copy_and_hash(dsts, srcs, group, sums)
-    return sums
-
-
-def _copy_and_hash(dsts: Sequence, srcs: Sequence, group: list[int], sums: list[int]) -> None:
-    if group:
-        _copy([dsts[i] for i in group], [srcs[i] for i in group])
-        sums.extend(xxhash.xxh3_64_intdigest(dsts[i]) for i in group)
-
-
-def _copy(dsts: list, srcs: list) -> None:
-    """dsts[i][:] = srcs[i] for 1-D uint8 numpy arrays, in one call without the GIL where built."""
-    if copy_many is not None:
-        copy_many(dsts, srcs)
-        return
-    for d, s in zip(dsts, srcs):
-        d[:] = s
 
 
 def encode(ns: Namespace, h: BlockHash, payload: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ one copy, hashed while in cache:
   or died) goes back to the free list.
 - COMMIT (CommitRequest) -> StoreReply: the client wrote each block's object
   into its slot; the daemon checks the headers and publishes the blocks.
-  Only slots this connection reserved, for the same blocks, are accepted.
+  Only slots this connection reserved, for the same blocks, are accepted,
+  and a slot whose header is not its block's (never written) fails the call.
 
 Why this is safe enough to be on by default: one tenant only (another
 tenant's blocks are never mapped), the pool is verified on every load (a
@@ -33,9 +34,9 @@ import grpc
 from cache_service.doorbell import COMMIT, MAP_POOL, RESERVE, Connection
 from cache_service.objects import object_size
 from cache_service.rpc import parse
-from cache_service.wire import RequestError, invalid
+from cache_service.wire import RequestError, hashes_from_pb, invalid, ns_from_pb
 from proto import tierkv_pb2 as pb
-from tiers.types import BlockHash
+from tiers.types import BlockHash, CorruptBlockError
 
 
 class Lease:
@@ -120,7 +121,11 @@ def commit(servicer, conn: Connection, body: bytes, tenant: str | None):
     if len(slots) != len(keys):
         raise invalid(f"Commit: {len(slots)} slots for {len(keys)} hashes")
     _lease(servicer, conn).take(keys, slots)
-    stored = servicer.store.commit(ns, keys, slots)
+    sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, servicer.s.max_blocks)
+    try:
+        stored = servicer.store.commit(sent_ns, sent, ns, keys, slots)
+    except CorruptBlockError as e:
+        raise invalid(f"Commit: bad block object in the shared pool ({e})") from None
     servicer.metrics.moved(tenant, "store", len(keys) * ns.payload_bytes)
     return pb.StoreReply(stored=stored), []
 

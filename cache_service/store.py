@@ -54,7 +54,7 @@ from cache_service.eviction.base import EvictionPolicy
 from cache_service.keys import Namespace
 from cache_service.moves import BlockMoves
 from cache_service.objects import (HEADER_SIZE, checksums, claimed_checksum, claimed_checksums, decode, encode,
-                                   encode_into, object_size, payload_checksum)
+                                   encode_into, object_size)
 from cache_service.writer import Item, TierWriter
 from tiers.base import Tier
 from tiers.types import BlockHash, CorruptBlockError, TierKVError
@@ -152,7 +152,7 @@ class TieredStore(BlockMoves, DirectPuts):
         i = 0
         while remaining and i < len(self.tiers) and hasattr(self.tiers[i], "get_into"):
             # a tier that wants payloads verified has them hashed as they are copied (still in cache)
-            digest = payload_checksum if self.tiers[i].verify_payload else None
+            digest = HEADER_SIZE if self.tiers[i].verify_payload else None
             try:
                 hits = self.tiers[i].get_into([hashes[j] for j in remaining], [outs[j] for j in remaining], digest)
             except TierKVError:  # an object larger than this namespace's: not what was asked for

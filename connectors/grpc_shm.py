@@ -4,8 +4,9 @@ daemon's doorbell and, when the daemon shares it, the daemon's host pool.
 - Loads: the daemon copies each hit's object into this client's segment
   and verifies it there (LoadShm; cache_service/shm.py).
 - Stores: into the daemon's pool when it offers it (cache_service/pool.py):
-  Reserve slots, encode each block's object straight into its slot (one
-  copy, hashed while in cache), Commit. Else, or for blocks the pool has no
+  Reserve slots, encode each block's object straight into its slot (the
+  payload copied and hashed in one pass), Commit; in chunks, so the daemon
+  checks one while this process fills the next. Else, or for blocks the pool has no
   room for, encoded into the segment and checked and copied by the daemon
   (StoreShm).
 
@@ -30,7 +31,7 @@ import torch
 
 from cache_service.doorbell import Bell, BellError
 from cache_service.keys import Namespace
-from cache_service.objects import HEADER_SIZE, encode_rows, fill_payloads, object_size
+from cache_service.objects import HEADER_SIZE, encode_objects, encode_rows, object_size
 from cache_service.shm import Segment
 from cache_service.wire import ns_to_pb, torch_dtype
 from proto import tierkv_pb2 as pb
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from connectors.grpc_client import GrpcClient
 
 NO_ROOM = -2  # a Reserve answer: store this block another way
-CHUNK_BYTES = 8 << 20  # a pool store's unit: the daemon commits one while the client fills the next
+CHUNK_BYTES = 16 << 20  # a pool store's unit: the daemon commits one while the client fills the next
 
 
 class ProtocolError(TierKVError):
@@ -190,7 +191,7 @@ class SameHost:
             rest += [j for j, s in zip(chunk, slots) if s == NO_ROOM]
             if todo:
                 hs, ss = [hashes[j] for j, _ in todo], [s for _, s in todo]
-                fill_payloads(pool.rows, ss, ns, [payloads[j] for j, _ in todo])
+                encode_objects(pool.rows, ss, ns, hs, [payloads[j] for j, _ in todo])
                 replies.commit(ns, hs, ss)
         return replies.finish(), rest
 

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
-import numpy as np
 import torch
 
 from tiers.base import Tier
-from tiers.host_copy import copy_all, copy_then, shared_matrix
+from tiers.host_copy import copy_all, copy_hashed, shared_matrix
 from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError
 
 class SlotPool(Tier):
@@ -247,15 +246,15 @@ class SlotPool(Tier):
         return out
 
     def get_into(self, hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor],
-                 digest: Callable[[np.ndarray], object] | None = None) -> list:
+                 hash_from: int | None = None) -> list:
         """Copy each held object into the prefix of the caller's buffer (any device).
 
         The allocation-free load path. Returns False for a miss, leaving that
         buffer untouched. Copies are issued non-blocking where a pinned host
-        side allows it and complete before this returns. With `digest` (host
-        buffers) each hit's entry is digest(its copy, as a numpy array)
-        instead of True, computed right after the copy while its bytes are
-        still in cache, and a miss's is None.
+        side allows it and complete before this returns. With `hash_from`
+        (host buffers) each hit's entry is the xxh3_64 of its copy's bytes
+        from that offset on instead of True, computed as they are copied
+        (`host_copy.copy_hashed`), and a miss's is None.
         """
         assert len(hashes) == len(outs), "one buffer per hash"
         found = self._acquire(hashes)
@@ -268,8 +267,8 @@ class SlotPool(Tier):
                 if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < n:
                     raise TierKVError(f"{self.name}: get_into buffer must be 1-D uint8 of >= {n} B")
                 copies.append((out[:n], entry[1]))
-            if digest is not None:
-                got = iter(copy_then(copies, digest))
+            if hash_from is not None:
+                got = iter(copy_hashed([d.numpy() for d, _ in copies], [s.numpy() for _, s in copies], hash_from))
                 return [None if entry is None else next(got) for entry in found]
             copy_all(copies)
         finally:

@@ -1,20 +1,23 @@
-"""Host memory for the slot pools: batched copies, copies followed by a
-digest while the bytes are still in cache, and pools other processes map."""
+"""Host memory for the slot pools: batched copies, copies hashed while the
+bytes are still in cache, and pools other processes map."""
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
-from typing import Callable
+from typing import Sequence
 
 import numpy as np
 import torch
+import xxhash
+import xxhash._xxhash
 
 try:  # batched host copies without per-copy interpreter overhead (setup.py builds it)
-    from cache_service._fastcopy import copy_many
+    from cache_service._fastcopy import copy_hash_many, copy_many
 except ImportError:  # pragma: no cover - no C compiler where installed
-    copy_many = None
+    copy_many = copy_hash_many = None
 
-FUSE_BYTES = 512 << 10  # copied, then digested while still in a core's L2 (1 MiB on these machines)
+FUSE_BYTES = 1 << 20  # copied, then hashed while still in a core's L2 (1 MiB on these machines)
 
 
 def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -46,30 +49,57 @@ def host_bytes(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.uint8 and t.is_contiguous()
 
 
-def copy_then(pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Callable[[np.ndarray], object]) -> list:
-    """`copy_all` for host tensors (1-D contiguous uint8), in groups of about
-    FUSE_BYTES, with after(dst as a numpy array) of each copy computed right
-    after its group: a checksum then reads the bytes from cache, not memory
-    (about the cost of the copy alone, docs/benchmarks.md)."""
-    dsts, srcs = [d.numpy() for d, _ in pairs], [s.numpy() for _, s in pairs]
-    out: list = []
-    lo = size = 0
-    for k, d in enumerate(dsts):
-        if k > lo and size + d.size > FUSE_BYTES:
-            out.extend(_copy_group(dsts[lo:k], srcs[lo:k], after))
-            lo, size = k, 0
-        size += d.size
-    out.extend(_copy_group(dsts[lo:], srcs[lo:], after))
-    return out
+def copy_hashed(dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray], skip: int = 0) -> list[int]:
+    """``dsts[i][:len(srcs[i])] = srcs[i]`` (1-D contiguous uint8 numpy arrays)
+    and the xxh3_64 of each copy's bytes from `skip` on, hashed right after
+    they were copied, while they are still in the core's cache: about the
+    cost of the copy alone, where copying then hashing reads memory twice
+    (docs/benchmarks.md). One C call where built (with the xxhash package's
+    own XXH3); the loop below is the reference, and takes a copy larger
+    than FUSE_BYTES in pieces."""
+    if copy_hash_many is not None and _XXH3:
+        return copy_hash_many(dsts, srcs, skip, _XXH3)
+    sums: list[int] = []
+    for d, s in zip(dsts, srcs):
+        n = len(s)
+        if n <= FUSE_BYTES:
+            _copy(d, s)
+            sums.append(xxhash.xxh3_64_intdigest(d[skip:n]))
+            continue
+        state = xxhash.xxh3_64()
+        for off in range(0, n, FUSE_BYTES):
+            end = min(n, off + FUSE_BYTES)
+            _copy(d[off:end], s[off:end])
+            if end > skip:
+                state.update(d[max(off, skip):end])
+        sums.append(state.intdigest())
+    return sums
 
 
-def _copy_group(dsts: list[np.ndarray], srcs: list[np.ndarray], after) -> list:
+def _xxh3_address() -> int:
+    """The address of the xxhash package's XXH3_64bits (its run-time
+    dispatching variant where it has one), for copy_hash_many; 0 when it
+    cannot be found or does not hash as the package's Python function does."""
+    try:
+        lib = ctypes.CDLL(xxhash._xxhash.__file__)
+        fn = getattr(lib, "XXH3_64bits_dispatch", None) or lib.XXH3_64bits
+        addr = ctypes.cast(fn, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError):
+        return 0
+    probe = np.arange(1000, dtype=np.uint8)
+    ok = addr and copy_hash_many is not None and \
+        copy_hash_many([np.empty_like(probe)], [probe], 3, addr) == [xxhash.xxh3_64_intdigest(probe[3:])]
+    return addr if ok else 0
+
+
+_XXH3 = _xxh3_address()
+
+
+def _copy(d: np.ndarray, s: np.ndarray) -> None:
     if copy_many is not None:
-        copy_many(dsts, srcs)
+        copy_many((d,), (s,))
     else:
-        for d, s in zip(dsts, srcs):
-            d[:] = s
-    return [after(d) for d in dsts]
+        d[:len(s)] = s
 
 
 def shared_matrix(num_slots: int, slot_bytes: int, name: str) -> tuple[torch.Tensor, int, int]:

@@ -1,26 +1,28 @@
 """Direct puts into a shared top tier: reserve makes room as a put does,
-commit seals and publishes, and the blocks then live like any other."""
+commit checks and publishes, and the blocks then live like any other."""
 from __future__ import annotations
 
 import pytest
 
 from cache_service.direct import HELD, NO_ROOM
-from cache_service.objects import fill_payloads
+from cache_service.objects import encode_objects
+from tiers.types import CorruptBlockError
 from tests.cache_service.store_helpers import NS, all_same, hashes, make_store, payload_for, write_flushed
 
 
 def _direct(store, hs) -> list[int]:
-    """What a same-host client does: reserve, copy the payloads in, commit."""
+    """What a same-host client does: reserve, encode the objects in, commit."""
     slots = store.reserve(NS, hs)
     todo = [(h, s) for h, s in zip(hs, slots) if s >= 0]
-    fill_payloads(store.tiers[0].rows, [s for _, s in todo], NS, [payload_for(h) for h, _ in todo])
-    assert store.commit(NS, [h for h, _ in todo], [s for _, s in todo]) == len(todo)
+    todo_hs, todo_slots = [h for h, _ in todo], [s for _, s in todo]
+    encode_objects(store.tiers[0].rows, todo_slots, NS, todo_hs, [payload_for(h) for h in todo_hs])
+    assert store.commit(NS, todo_hs, NS, todo_hs, todo_slots) == len(todo)
     return slots
 
 
 def test_committed_blocks_load_and_reach_the_tier_below(tmp_path):
     with make_store(tmp_path, cpu_blocks=8, shared=True) as store:
-        # the daemon sealed what the client copied: loads verify and return it
+        # what the client encoded is published: loads verify and return it
         hs = hashes(6)
         assert min(_direct(store, hs)) >= 0
         assert store.lookup(hs) == 6 and all_same(store.load(NS, hs), hs)
@@ -45,6 +47,19 @@ def test_a_pool_full_of_pinned_blocks_has_no_room(tmp_path):
         store.store(NS, pinned, [payload_for(h) for h in pinned])
         store.pin(pinned)
         assert store.reserve(NS, hashes(2)) == [NO_ROOM, NO_ROOM]
+
+
+def test_a_commit_of_slots_never_written_is_refused_and_hands_them_back(tmp_path):
+    with make_store(tmp_path, cpu_blocks=4, shared=True) as store:
+        # the slots still hold another block's object: that header is not theirs
+        first = hashes(2, start=400)
+        _direct(store, first)
+        store.delete(first)
+        hs = hashes(2)
+        slots = store.reserve(NS, hs)
+        with pytest.raises(CorruptBlockError, match="expected"):
+            store.commit(NS, hs, NS, hs, slots)
+        assert store.lookup(hs) == 0 and store.tiers[0].free_bytes() == 4 * store.tiers[0].slot_bytes
 
 
 def test_slots_not_committed_are_handed_back(tmp_path):

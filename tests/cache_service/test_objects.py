@@ -6,6 +6,7 @@ from cache_service.keys import Namespace, prefix_hashes
 from cache_service import objects
 from cache_service.objects import (HEADER_SIZE, checksum, claimed_checksum, claimed_checksums, decode, encode,
                                    encode_rows, object_size)
+from tiers import host_copy
 from tiers.types import CorruptBlockError
 
 NS = Namespace("tiny", "bfloat16", num_layers=2, kv_heads=2, head_dim=8, block_tokens=4)
@@ -92,9 +93,9 @@ def test_wrong_payload_size_is_a_clear_error():
 @pytest.mark.parametrize("batched_copy", [True, False])
 def test_encoding_many_rows_equals_encoding_each_block(batched_copy, monkeypatch):
     # the C copy helper must be built here; torch copies are the fallback
-    assert objects.copy_many is not None, "C copy helper missing (pip install -e . needs a C compiler)"
+    assert host_copy.copy_many is not None, "C copy helper missing (pip install -e . needs a C compiler)"
     if not batched_copy:
-        monkeypatch.setattr(objects, "copy_many", None)
+        monkeypatch.setattr(host_copy, "copy_many", None)
     # rows encoded in one call are byte for byte the objects encode() makes
     payloads = [_payload(10), _payload(11).transpose(-1, -2).contiguous().transpose(-1, -2)]  # one not contiguous
     rows = torch.full((2, object_size(NS)), 0xAA, dtype=torch.uint8)
@@ -108,22 +109,13 @@ def test_encoding_many_rows_equals_encoding_each_block(batched_copy, monkeypatch
     assert torch.equal(rows, before)
 
 
-@pytest.mark.parametrize("size", [64, objects.FUSE_BYTES // 2, 2 * objects.FUSE_BYTES + 3])
-def test_copy_hashed_copies_and_hashes_as_the_separate_steps_do(size):
-    # small blocks copied in groups, a large one in pieces: the same bytes and the same xxh3 as one-shot hashing
-    srcs = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(5)]
-    dsts = [torch.empty(size, dtype=torch.uint8) for _ in range(5)]
-    sums = objects.copy_hashed(dsts, srcs)
-    assert sums == [checksum(s) for s in srcs] and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
-
-
-def test_fill_payloads_writes_only_the_payloads_of_the_chosen_rows():
-    # payloads land past the header of rows 3 and 1; every other byte stays as it was
+def test_encoding_into_chosen_rows_equals_encoding_each_block():
+    # objects land in rows 3 and 1 exactly as encode() makes them; every other byte stays as it was
     rows = torch.full((5, object_size(NS) + 32), 0xAA, dtype=torch.uint8)
     before = rows.clone()
     payloads = [_payload(20), _payload(21)]
-    objects.fill_payloads(rows, [3, 1], NS, payloads)
-    for r, p in zip((3, 1), payloads):
-        assert torch.equal(rows[r, HEADER_SIZE:object_size(NS)], p.view(-1).view(torch.uint8))
-        rows[r, HEADER_SIZE:object_size(NS)] = 0xAA
+    objects.encode_objects(rows, [3, 1], NS, H[:2], payloads)
+    for r, h, p in zip((3, 1), H, payloads):
+        assert torch.equal(rows[r, :object_size(NS)], encode(NS, h, p))
+        rows[r, :object_size(NS)] = 0xAA
     assert torch.equal(rows, before)

@@ -1,6 +1,6 @@
 """The shared-pool store: a same-host client reserves slots of the daemon's
-host pool, copies payloads straight into them, and the daemon seals and
-publishes them (cache_service/pool.py, cache_service/direct.py)."""
+host pool, encodes block objects straight into them, and the daemon checks
+and publishes them (cache_service/pool.py, cache_service/direct.py)."""
 from __future__ import annotations
 
 import mmap
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cache_service.doorbell import Bell, BellError
-from cache_service.objects import HEADER_SIZE, fill_payloads, object_size
+from cache_service.objects import HEADER_SIZE, encode_objects, object_size
 from cache_service.wire import ns_to_pb
 from connectors.grpc_client import GrpcClient
 from connectors.grpc_shm import _chunks
@@ -90,7 +90,7 @@ def test_a_connection_holds_at_most_a_requests_worth_of_slots(start):
         with pytest.raises(BellError) as e:
             _reserve(bell, hs[4:])
         assert e.value.code() == Code.RESOURCE_EXHAUSTED
-        fill_payloads(rows, slots, NS, [payload_for(h) for h in hs[:4]])
+        encode_objects(rows, slots, NS, hs[:4], [payload_for(h) for h in hs[:4]])
         assert _commit(bell, hs[:4], slots).stored == 4 and min(_reserve(bell, hs[4:])) >= 0
     finally:
         bell.close()
@@ -103,7 +103,7 @@ def test_commit_takes_only_the_slots_its_connection_reserved_for_those_blocks(st
         rows = _map(a)
         hs = hashes(3)
         slots = _reserve(a, hs)
-        fill_payloads(rows, slots, NS, [payload_for(h) for h in hs])
+        encode_objects(rows, slots, NS, hs, [payload_for(h) for h in hs])
         # another connection cannot commit them
         with pytest.raises(BellError) as e:
             _commit(b, hs, slots)
@@ -113,6 +113,11 @@ def test_commit_takes_only_the_slots_its_connection_reserved_for_those_blocks(st
             with pytest.raises(BellError) as e:
                 _commit(a, bad_hs, bad_slots)
             assert e.value.code() == Code.INVALID_ARGUMENT
+        # slots never written: refused too (their headers are not theirs)
+        other = _reserve(a, hashes(2, start=70))
+        with pytest.raises(BellError) as e:
+            _commit(a, hashes(2, start=70), other)
+        assert e.value.code() == Code.INVALID_ARGUMENT and "bad block object" in e.value.details()
         # a refused commit took nothing from the lease: the right one still works
         assert _commit(a, hs, slots).stored == 3
         with GrpcClient(url(d, "stream")) as c:
@@ -127,7 +132,7 @@ def test_a_payload_scribbled_after_its_commit_is_a_miss_not_a_wrong_answer(start
     with GrpcClient(url(d, "shm")) as c:
         hs = hashes(4)
         assert put(c, hs) == 4
-        # a byte of block 2's payload changes in the pool after it was sealed
+        # a byte of block 2's payload changes in the pool after its commit
         slot = d.store.tiers[0]._index[hs[2]][0]
         c._near.pool.rows[slot, HEADER_SIZE + 7] ^= 0xFF
         # loads verify the shared pool: block 2 is a miss (and quarantined), the others are intact

@@ -1,16 +1,18 @@
 """A slot pool in shared memory: slots reserved for another process to
 write, published or handed back; the pool seen through a second mapping of
-its memfd; loads that digest each copy while it is still in cache."""
+its memfd; loads that hash each copy while it is still in cache."""
 from __future__ import annotations
 
 import mmap
 
+import numpy as np
 import pytest
 import torch
 import xxhash
 
 from tiers.cpu import CpuTier
-from tiers.host_copy import FUSE_BYTES, copy_then
+from tiers import host_copy
+from tiers.host_copy import FUSE_BYTES, copy_hashed
 from tiers.types import BlockHash, CapacityError, ConfigError
 
 SLOT = 5000  # not a page multiple: rows are a page apart all the same
@@ -71,23 +73,29 @@ def test_a_shared_pool_is_never_page_locked():
     assert not CpuTier(4 * SLOT, SLOT, shared=True).pinned
 
 
-def test_get_into_digests_each_copy():
+def test_get_into_hashes_each_copy():
     pool = CpuTier(4 * SLOT, SLOT, shared=True)
     objs = [torch.randint(0, 256, (SLOT,), dtype=torch.uint8) for _ in range(3)]
     pool.put_many([key(i) for i in range(3)], objs)
     outs = [torch.empty(SLOT, dtype=torch.uint8) for _ in range(4)]
-    # one digest per hit, None for the miss, and the bytes are copied all the same
-    got = pool.get_into([key(0), key(9), key(1), key(2)], outs, digest=xxhash.xxh3_64_intdigest)
+    # one hash per hit (of its bytes past the first 100), None for the miss; the bytes are copied all the same
+    got = pool.get_into([key(0), key(9), key(1), key(2)], outs, hash_from=100)
     assert got[1] is None
-    assert [got[0], got[2], got[3]] == [xxhash.xxh3_64_intdigest(o.numpy()) for o in (objs[0], objs[1], objs[2])]
+    assert [got[0], got[2], got[3]] == [xxhash.xxh3_64_intdigest(o.numpy()[100:]) for o in objs]
     assert torch.equal(outs[0], objs[0]) and torch.equal(outs[3], objs[2])
 
 
-@pytest.mark.parametrize("size", [100, FUSE_BYTES // 3, FUSE_BYTES + 1])
-def test_copy_then_groups_copies_and_digests_every_one(size):
-    # groups of about FUSE_BYTES, a bigger copy alone: every pair copied, every digest in order
-    srcs = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(7)]
-    dsts = [torch.empty(size, dtype=torch.uint8) for _ in range(7)]
-    sums = copy_then(list(zip(dsts, srcs)), xxhash.xxh3_64_intdigest)
-    assert sums == [xxhash.xxh3_64_intdigest(s.numpy()) for s in srcs]
-    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+@pytest.mark.parametrize("size", [100, FUSE_BYTES // 3, 2 * FUSE_BYTES + 5])
+@pytest.mark.parametrize("skip", [0, 128])
+@pytest.mark.parametrize("in_c", [True, False])
+def test_copy_hashed_copies_and_hashes_as_the_separate_steps_do(size, skip, in_c, monkeypatch):
+    # the C call must be there (with the xxhash package's XXH3); the Python loop is the reference
+    assert host_copy._XXH3 and host_copy.copy_hash_many is not None
+    if not in_c:
+        monkeypatch.setattr(host_copy, "_XXH3", 0)
+    # small copies one by one, a large one in pieces: the same bytes and the same xxh3 as one-shot hashing
+    srcs = [torch.randint(0, 256, (size,), dtype=torch.uint8).numpy() for _ in range(5)]
+    dsts = [np.empty(size + 7, dtype=np.uint8) for _ in range(5)]
+    sums = copy_hashed(dsts, srcs, skip)
+    assert sums == [xxhash.xxh3_64_intdigest(s[skip:]) for s in srcs]
+    assert all((d[:size] == s).all() for d, s in zip(dsts, srcs))
