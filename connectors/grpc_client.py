@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from functools import lru_cache
 from typing import Sequence
 from urllib.parse import parse_qs, urlsplit
 
@@ -41,8 +40,8 @@ from cache_service.lane import LaneLink
 from cache_service.keys import Namespace
 from cache_service.objects import object_size
 from cache_service.shm import host_id
-from cache_service.wire import check_payloads, ns_to_pb, stats_from_pb
-from connectors.grpc_shm import ProtocolError, SameHost
+from cache_service.wire import check_payloads, stats_from_pb
+from connectors.grpc_shm import ProtocolError, SameHost, ns_pb as _ns
 from connectors.grpc_sessions import RemoteSessions
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
@@ -54,11 +53,6 @@ _RECEIVE_LIMIT = 256 << 20  # accept any message size a daemon may be configured
 # answers given before the daemon touches a segment: the segment stays usable
 _REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                       grpc.StatusCode.PERMISSION_DENIED})
-
-
-@lru_cache(maxsize=64)
-def _ns(ns: Namespace) -> pb.Namespace:
-    return ns_to_pb(ns)
 
 
 class GrpcClient:
