@@ -25,6 +25,7 @@ import struct
 from functools import lru_cache
 from typing import Sequence
 
+import numpy as np
 import torch
 import xxhash
 
@@ -151,10 +152,21 @@ def encode_objects(rows: torch.Tensor, slots: Sequence[int], ns: Namespace, hash
                    payloads: Sequence[torch.Tensor]) -> None:
     """`encode_rows` into chosen rows: block i's object into ``rows[slots[i]]``
     of a ``[num_rows, >= object_size]`` uint8 CPU tensor (a shared pool)."""
-    assert len(slots) == len(hashes) == len(payloads) and rows.dtype == torch.uint8 and rows.dim() == 2
+    encode_flats(rows, slots, ns, hashes, payload_bytes(ns, payloads))
+
+
+def payload_bytes(ns: Namespace, payloads: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """Each payload's bytes as a flat uint8 array (a view where it can be);
+    ValueError for one of the wrong size."""
+    return [_flat(ns, p).numpy() for p in payloads]
+
+
+def encode_flats(rows: torch.Tensor, slots: Sequence[int], ns: Namespace, hashes: Sequence[BlockHash],
+                 flats: Sequence[np.ndarray]) -> None:
+    """`encode_objects` from `payload_bytes`."""
+    assert len(slots) == len(hashes) == len(flats) and rows.dtype == torch.uint8 and rows.dim() == 2
     size = object_size(ns)
     assert rows.shape[1] >= size and rows.stride(1) == 1
-    flats = [_flat(ns, p).numpy() for p in payloads]  # all checked before anything is written
     if not flats:
         return
     table = rows.numpy()

@@ -32,7 +32,7 @@ import torch
 
 from cache_service.doorbell import Bell, BellError
 from cache_service.keys import Namespace
-from cache_service.objects import HEADER_SIZE, encode_objects, encode_rows, object_size
+from cache_service.objects import HEADER_SIZE, encode_flats, encode_rows, object_size, payload_bytes
 from cache_service.shm import Segment
 from cache_service.wire import ns_to_pb, torch_dtype
 from proto import tierkv_pb2 as pb
@@ -202,6 +202,7 @@ class SameHost:
         chunks = _chunks(len(hashes), max(1, CHUNK_BYTES // object_size(ns)))
         replies = _Replies(self.bell, pool.rows.shape[0])
         replies.reserve(ns, [hashes[j] for j in chunks[0]])
+        flats = payload_bytes(ns, payloads)  # while the daemon, likely idle until now, wakes up and answers
         rest: list[int] = []
         for k, chunk in enumerate(chunks):
             if k + 1 < len(chunks):
@@ -212,7 +213,7 @@ class SameHost:
             if todo:
                 hs, ss = [hashes[j] for j, _ in todo], [s for _, s in todo]
                 pool.prepare(ss)
-                encode_objects(pool.rows, ss, ns, hs, [payloads[j] for j, _ in todo])
+                encode_flats(pool.rows, ss, ns, hs, [flats[j] for j, _ in todo])
                 replies.commit(ns, hs, ss)
         return replies.finish(), rest
 
