@@ -97,6 +97,29 @@ class DirectPuts:
                 self._submit(i, [(k, pool.rows[s, :size].clone()) for k, s in new if not self._below_has(i, k)])
         return len(new)
 
+    def spare_limit(self, ns: Namespace) -> int:
+        """How many spare slots (`reserve_spare`) one client may hold: 1/16 of the shared top tier."""
+        pool = self.shared_pool()
+        try:
+            return max(1, pool.capacity_bytes // pool.footprint(object_size(ns)) // 16)
+        except CapacityError:
+            return 0
+
+    def reserve_spare(self, ns: Namespace, n: int) -> list[int]:
+        """Up to n slots of the shared top tier, made room for as `reserve`
+        does, for blocks a client will name at `commit` (its next store starts
+        filling them without a round trip). Hand back any not committed."""
+        pool, size = self.shared_pool(), object_size(ns)
+        victims: list[Item] = []
+        with self._locks[0]:
+            try:
+                self._make_room(0, n * pool.footprint(size), victims)
+                slots = pool.reserve_free(n, size)
+            except CapacityError:
+                slots = []
+        self._evicted(0, victims)
+        return slots
+
     def unreserve(self, slots: Sequence[int]) -> None:
         """Hand back reserved slots that will not be committed."""
         if slots:

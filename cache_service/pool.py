@@ -15,10 +15,14 @@ one copy, hashed while in cache:
   connection's lease, at most a request's worth (`max_request_bytes`) at a
   time: whatever it has not committed when it ends (the client closed it,
   or died) goes back to the free list.
-- COMMIT (CommitRequest) -> StoreReply: the client wrote each block's object
-  into its slot; the daemon checks the headers and publishes the blocks.
-  Only slots this connection reserved, for the same blocks, are accepted,
-  and a slot whose header is not its block's (never written) fails the call.
+- COMMIT (CommitRequest) -> CommitReply: the client wrote each block's
+  object into its slot; the daemon checks the headers and publishes the
+  blocks. Only slots this connection reserved, for the same blocks (or as
+  spares), are accepted, and a slot whose header is not its block's (never
+  written) fails the call. A Commit may ask for spare slots, leased like
+  the others but for no block yet: the client's next store fills them at
+  once instead of waiting for a Reserve (after idling, a doorbell round trip
+  costs 0.4 ms here where it costs 0.05 ms back to back).
 
 Why this is safe enough to be on by default: one tenant only (another
 tenant's blocks are never mapped), the pool is verified on every load (a
@@ -44,18 +48,23 @@ class Lease:
 
     def __init__(self, store) -> None:
         self.store = store
-        self.slots: dict[int, BlockHash] = {}  # slot -> the store key it was reserved for
+        self.slots: dict[int, BlockHash | None] = {}  # slot -> the store key it was reserved for (None: spare)
         self._lock = threading.Lock()
 
-    def add(self, keys: list[BlockHash], slots: list[int]) -> None:
+    def add(self, keys: list[BlockHash | None], slots: list[int]) -> None:
         with self._lock:
             self.slots.update((s, k) for k, s in zip(keys, slots) if s >= 0)
 
+    def spares(self) -> int:
+        with self._lock:
+            return sum(k is None for k in self.slots.values())
+
     def take(self, keys: list[BlockHash], slots: list[int]) -> None:
         """Remove `slots` from the lease; INVALID_ARGUMENT (taking none) unless
-        each was reserved here for the key beside it."""
+        each was reserved here for the key beside it, or as a spare."""
         with self._lock:
-            wrong = next((j for j, (k, s) in enumerate(zip(keys, slots)) if self.slots.get(s) != k), None)
+            wrong = next((j for j, (k, s) in enumerate(zip(keys, slots))
+                          if s not in self.slots or self.slots[s] not in (k, None)), None)
             if wrong is None and len(set(slots)) == len(slots):
                 for s in slots:
                     del self.slots[s]
@@ -120,14 +129,20 @@ def commit(servicer, conn: Connection, body: bytes, tenant: str | None):
     slots = list(request.slots)
     if len(slots) != len(keys):
         raise invalid(f"Commit: {len(slots)} slots for {len(keys)} hashes")
-    _lease(servicer, conn).take(keys, slots)
+    lease = _lease(servicer, conn)
+    lease.take(keys, slots)
     sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, servicer.s.max_blocks)
     try:
         stored = servicer.store.commit(sent_ns, sent, ns, keys, slots)
     except CorruptBlockError as e:
         raise invalid(f"Commit: bad block object in the shared pool ({e})") from None
     servicer.metrics.moved(tenant, "store", len(keys) * ns.payload_bytes)
-    return pb.StoreReply(stored=stored), []
+    # spares count against the lease's limit, and a client holds at most spare_limit of them
+    room = min(servicer.s.max_request_bytes // ns.payload_bytes - len(lease.slots),
+               servicer.store.spare_limit(ns) - lease.spares())
+    spare = servicer.store.reserve_spare(ns, min(request.spare, room)) if request.spare and room > 0 else []
+    lease.add([None] * len(spare), spare)
+    return pb.CommitReply(stored=stored, spare=spare), []
 
 
 HANDLERS = {MAP_POOL: ("MapPool", map_pool), RESERVE: ("Reserve", reserve), COMMIT: ("Commit", commit)}

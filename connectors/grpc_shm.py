@@ -84,6 +84,7 @@ class SameHost:
         self.bell: Bell | None = None
         self.pool: _Pool | None = None
         self.pool_refused = False  # the daemon does not share its pool (asked once per doorbell)
+        self.spare: list[int] = []  # pool slots leased to this doorbell connection for no block yet
         self.retry_at = 0.0
         self.lock = threading.Lock()
 
@@ -101,7 +102,7 @@ class SameHost:
 
     def close_bell(self) -> None:
         """Hang up the doorbell; the pool mapping goes with it (the daemon hands back its slots)."""
-        bell, self.bell, self.pool, self.pool_refused = self.bell, None, None, False
+        bell, self.bell, self.pool, self.pool_refused, self.spare = self.bell, None, None, False, []
         if bell is not None:
             bell.close()
 
@@ -199,9 +200,14 @@ class SameHost:
         """Reserve, fill and commit in chunks of about CHUNK_BYTES, pipelined:
         the daemon reserves the next chunk and commits the last one while
         this process fills the current one. (stored, positions with no room)."""
-        chunks = _chunks(len(hashes), max(1, CHUNK_BYTES // object_size(ns)))
+        per = max(1, CHUNK_BYTES // object_size(ns))
+        chunks = _chunks(len(hashes), per)
         replies = _Replies(self.bell, pool.rows.shape[0])
-        replies.reserve(ns, [hashes[j] for j in chunks[0]])
+        if len(self.spare) >= len(chunks[0]):  # spare slots from the last Commit: no round trip to start
+            replies.reserved.append(self.spare[:len(chunks[0])])
+            del self.spare[:len(chunks[0])]
+        else:
+            replies.reserve(ns, [hashes[j] for j in chunks[0]])
         flats = payload_bytes(ns, payloads)  # while the daemon, likely idle until now, wakes up and answers
         rest: list[int] = []
         for k, chunk in enumerate(chunks):
@@ -214,8 +220,10 @@ class SameHost:
                 hs, ss = [hashes[j] for j, _ in todo], [s for _, s in todo]
                 pool.prepare(ss)
                 encode_flats(pool.rows, ss, ns, hs, [flats[j] for j, _ in todo])
-                replies.commit(ns, hs, ss)
-        return replies.finish(), rest
+                replies.commit(ns, hs, ss, spare=max(1, per // 4) - len(self.spare) if k + 1 == len(chunks) else 0)
+        stored = replies.finish()
+        self.spare += replies.spare
+        return stored, rest
 
     def _store_segment(self, ns: Namespace, hashes: Sequence[BlockHash],
                        payloads: Sequence[torch.Tensor]) -> int | None:
@@ -257,13 +265,14 @@ class _Replies:
         self.pending: deque[tuple[str, int]] = deque()  # (call, its Reserve chunk or its Commit's block count)
         self.reserved: list[list[int]] = []
         self.stored = 0
+        self.spare: list[int] = []  # spare slots the last Commit was granted
 
     def reserve(self, ns: Namespace, hashes: list[BlockHash]) -> None:
         self.bell.post("Reserve", pb.BlocksRequest(ns=ns_pb(ns), hashes=hashes))
         self.pending.append(("Reserve", len(hashes)))
 
-    def commit(self, ns: Namespace, hashes: list[BlockHash], slots: list[int]) -> None:
-        self.bell.post("Commit", pb.CommitRequest(ns=ns_pb(ns), hashes=hashes, slots=slots))
+    def commit(self, ns: Namespace, hashes: list[BlockHash], slots: list[int], spare: int = 0) -> None:
+        self.bell.post("Commit", pb.CommitRequest(ns=ns_pb(ns), hashes=hashes, slots=slots, spare=max(0, spare)))
         self.pending.append(("Commit", len(hashes)))
 
     def slots(self, k: int) -> list[int]:
@@ -280,12 +289,16 @@ class _Replies:
     def _next(self) -> None:
         name, n = self.pending.popleft()
         if name == "Commit":
-            self.stored += self.bell.answer(name, pb.StoreReply).stored
+            reply = self.bell.answer(name, pb.CommitReply)
+            self.stored += reply.stored
+            self.spare = self._checked(name, list(reply.spare), len(reply.spare), 0)
             return
-        slots = list(self.bell.answer(name, pb.ReserveReply).slots)
-        if len(slots) != n or any(not NO_ROOM <= s < self.num_slots for s in slots):
-            raise ProtocolError(f"daemon answered Reserve of {n} blocks with slots {slots[:8]}...")
-        self.reserved.append(slots)
+        self.reserved.append(self._checked(name, list(self.bell.answer(name, pb.ReserveReply).slots), n, NO_ROOM))
+
+    def _checked(self, name: str, slots: list[int], n: int, lowest: int) -> list[int]:
+        if len(slots) != n or any(not lowest <= s < self.num_slots for s in slots):
+            raise ProtocolError(f"daemon answered {name} of {n} blocks with slots {slots[:8]}...")
+        return slots
 
 
 def _chunks(n: int, per: int) -> list[list[int]]:
@@ -293,13 +306,14 @@ def _chunks(n: int, per: int) -> list[list[int]]:
     of that: filling starts after a short Reserve, and the daemon's last
     seal, which no filling overlaps, is short."""
     edge = max(1, per // 4)
-    if n <= 2 * edge:
+    if n <= edge:
         return [list(range(n))]
     cuts = [0, edge]
-    while cuts[-1] + per < n - edge:
+    while n - cuts[-1] > edge + per:
         cuts.append(cuts[-1] + per)
-    cuts += [n - edge, n]
-    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+    if n - cuts[-1] > edge:
+        cuts.append(n - edge)
+    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:] + [n])]
 
 
 def _map(fd: int, reply: pb.PoolReply) -> _Pool:

@@ -177,14 +177,24 @@ class ReserveReply(_message.Message):
     def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("ns", "hashes", "slots")
+    __slots__ = ("ns", "hashes", "slots", "spare")
     NS_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
     ns: Namespace
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    spare: int
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[int]] = ..., spare: _Optional[int] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("stored", "spare")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    spare: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stored: _Optional[int] = ..., spare: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlocksRequest(_message.Message):
     __slots__ = ("ns", "hashes")

@@ -152,8 +152,8 @@ class SlotPool(Tier):
         (caller holds the lock)."""
         todo: list[tuple[int, int]] = []
         seen: set[BlockHash] = set()
-        for i, h in enumerate(hashes):
-            if h not in self._index and h not in seen and self._free:
+        for i, h in enumerate(hashes):  # h None: a slot for no block yet
+            if (h is None or h not in self._index and h not in seen) and self._free:
                 seen.add(h)
                 todo.append((i, self._free.pop()))
         return todo
@@ -178,6 +178,11 @@ class SlotPool(Tier):
         return done
 
     # -- writes by another process (shared pools) ---------------------------------
+
+    def reserve_free(self, n: int, nbytes: int) -> list[int]:
+        """Up to n free slots for objects of `nbytes` not yet for any block
+        (`reserve` without hashes)."""
+        return [s for s in self.reserve([None] * n, nbytes) if s is not None]
 
     def reserve(self, hashes: Sequence[BlockHash], nbytes: int) -> list[int | None]:
         """A free slot for each hash this pool does not hold, for an object of

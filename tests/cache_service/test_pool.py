@@ -33,7 +33,7 @@ def _reserve(bell: Bell, hs) -> list[int]:
 
 
 def _commit(bell: Bell, hs, slots):
-    return bell.call("Commit", pb.CommitRequest(ns=ns_to_pb(NS), hashes=hs, slots=slots), pb.StoreReply)
+    return bell.call("Commit", pb.CommitRequest(ns=ns_to_pb(NS), hashes=hs, slots=slots), pb.CommitReply)
 
 
 def _map(bell: Bell):
@@ -59,6 +59,25 @@ def test_a_same_host_client_stores_straight_into_the_daemons_pool(start):
         assert put(c, hs) == 0 and _free_slots(d) == free
         # and they reach the disk tier below like any other block
         assert d.store.flush(60) and d.store.tiers[1].contains_many(hs) == [True] * 40
+
+
+def test_a_commit_leaves_spare_slots_the_next_store_starts_in(start):
+    d = start(shared=True)  # 64 slots: a client may hold 4 spares
+    with GrpcClient(url(d, "shm")) as c:
+        # the first store reserves, then its Commit also leases four spare slots
+        assert put(c, hashes(2)) == 2
+        assert len(c._near.spare) == 4 and _free_slots(d) == 64 - 2 - 4
+        # the next store fills spares at once: one doorbell call (its Commit) instead of two
+        calls = d.doorbell.calls
+        assert put(c, hashes(3, start=10)) == 3 and d.doorbell.calls == calls + 1
+        assert intact(c, hashes(3, start=10))
+        # and its Commit tops the spares up to four again, no more
+        assert len(c._near.spare) == 4 and _free_slots(d) == 64 - 5 - 4
+    # spares never used go back when the connection ends
+    deadline = time.monotonic() + 10
+    while _free_slots(d) != 64 - 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _free_slots(d) == 64 - 5
 
 
 def test_reserved_slots_go_back_when_their_connection_ends(start):

@@ -22,7 +22,7 @@ from tests.cache_service.store_helpers import NS, hashes, make_store
 from tests.cache_service.test_server import P, intact, put, raw, url
 
 Code = grpc.StatusCode
-REPLIES = {"LoadShm": pb.LoadShmReply, "Reserve": pb.ReserveReply}
+REPLIES = {"LoadShm": pb.LoadShmReply, "Reserve": pb.ReserveReply, "Commit": pb.CommitReply}
 ANSWERS = {Code.OK, Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.PERMISSION_DENIED, Code.NOT_FOUND,
            Code.FAILED_PRECONDITION}
 _text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
@@ -87,7 +87,8 @@ def _requests(aid: str):
         st.tuples(st.just("bell:MapPool"), st.builds(pb.PoolRequest, ns=_namespaces)),
         st.tuples(st.just("bell:Reserve"), st.builds(pb.BlocksRequest, ns=_maybe_ns, hashes=_hashes)),
         st.tuples(st.just("bell:Commit"), st.builds(pb.CommitRequest, ns=_maybe_ns, hashes=_hashes, slots=st.lists(
-            _mostly(st.integers(-3, 40), st.integers(-(2**63), 2**63 - 1)), max_size=6))),
+            _mostly(st.integers(-3, 40), st.integers(-(2**63), 2**63 - 1)), max_size=6),
+            spare=_mostly(st.integers(0, 4), st.integers(0, 2**32 - 1)))),
         st.tuples(st.just("Pin"), st.builds(pb.PinRequest, ns=_maybe_ns, hashes=_hashes, ttl_s=st.floats())),
         st.tuples(st.just("SaveSession"), st.builds(pb.SaveSessionRequest, session=_session, ns=_maybe_ns,
                                                     pin=st.booleans())),
