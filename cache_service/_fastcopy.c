@@ -25,36 +25,53 @@ static int get_pair(PyObject *d, PyObject *s, Py_buffer *dst, Py_buffer *src) {
     return 0;
 }
 
+/* The buffers of a call's (dsts, srcs): all acquired by open_pairs, or an
+ * exception set; close_pairs releases whatever was acquired. */
+typedef struct {
+    PyObject *dseq, *sseq;
+    Py_buffer *bufs;  /* dst i at 2i, src i at 2i + 1 */
+    Py_ssize_t n, got;
+} Pairs;
+
+static int open_pairs(PyObject *dl, PyObject *sl, Pairs *p) {
+    memset(p, 0, sizeof(*p));
+    p->dseq = PySequence_Fast(dl, "dsts must be a sequence");
+    p->sseq = p->dseq ? PySequence_Fast(sl, "srcs must be a sequence") : NULL;
+    if (!p->sseq) return -1;
+    p->n = PySequence_Fast_GET_SIZE(p->dseq);
+    if (p->n != PySequence_Fast_GET_SIZE(p->sseq)) {
+        PyErr_SetString(PyExc_ValueError, "one destination per source");
+        return -1;
+    }
+    p->bufs = PyMem_Calloc(p->n ? 2 * p->n : 1, sizeof(Py_buffer));
+    if (!p->bufs) { PyErr_NoMemory(); return -1; }
+    for (; p->got < p->n; p->got++) {
+        PyObject *d = PySequence_Fast_GET_ITEM(p->dseq, p->got), *s = PySequence_Fast_GET_ITEM(p->sseq, p->got);
+        if (get_pair(d, s, &p->bufs[2 * p->got], &p->bufs[2 * p->got + 1]) < 0) return -1;
+    }
+    return 0;
+}
+
+static void close_pairs(Pairs *p) {
+    for (Py_ssize_t i = 0; i < p->got; i++) {
+        PyBuffer_Release(&p->bufs[2 * i]);
+        PyBuffer_Release(&p->bufs[2 * i + 1]);
+    }
+    PyMem_Free(p->bufs);
+    Py_XDECREF(p->dseq);
+    Py_XDECREF(p->sseq);
+}
+
 static PyObject *copy_many(PyObject *self, PyObject *args) {
     PyObject *dl, *sl;
+    Pairs p;
     if (!PyArg_ParseTuple(args, "OO", &dl, &sl)) return NULL;
-    PyObject *dseq = PySequence_Fast(dl, "dsts must be a sequence");
-    PyObject *sseq = dseq ? PySequence_Fast(sl, "srcs must be a sequence") : NULL;
-    if (!sseq) { Py_XDECREF(dseq); return NULL; }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(dseq);
-    Py_buffer *bufs = NULL;
-    Py_ssize_t got = 0;
-    if (n != PySequence_Fast_GET_SIZE(sseq)) {
-        PyErr_SetString(PyExc_ValueError, "one destination per source");
-        goto done;
+    if (open_pairs(dl, sl, &p) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < p.n; i++) memcpy(p.bufs[2 * i].buf, p.bufs[2 * i + 1].buf, (size_t)p.bufs[2 * i + 1].len);
+        Py_END_ALLOW_THREADS
     }
-    bufs = PyMem_Calloc(n ? 2 * n : 1, sizeof(Py_buffer));
-    if (!bufs) { PyErr_NoMemory(); goto done; }
-    for (; got < n; got++) {
-        PyObject *d = PySequence_Fast_GET_ITEM(dseq, got), *s = PySequence_Fast_GET_ITEM(sseq, got);
-        if (get_pair(d, s, &bufs[2 * got], &bufs[2 * got + 1]) < 0) goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) memcpy(bufs[2 * i].buf, bufs[2 * i + 1].buf, (size_t)bufs[2 * i + 1].len);
-    Py_END_ALLOW_THREADS
-done:
-    for (Py_ssize_t i = 0; i < got; i++) {
-        PyBuffer_Release(&bufs[2 * i]);
-        PyBuffer_Release(&bufs[2 * i + 1]);
-    }
-    PyMem_Free(bufs);
-    Py_DECREF(dseq);
-    Py_DECREF(sseq);
+    close_pairs(&p);
     if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
 }
@@ -73,47 +90,33 @@ static PyObject *copy_hash_many(PyObject *self, PyObject *args) {
     PyObject *dl, *sl, *out = NULL;
     Py_ssize_t skip;
     unsigned long long addr;
+    Pairs p;
     if (!PyArg_ParseTuple(args, "OOnK", &dl, &sl, &skip, &addr)) return NULL;
+    if (skip < 0 || !addr) {
+        PyErr_SetString(PyExc_ValueError, "skip must be >= 0 and hash a function's address");
+        return NULL;
+    }
     hash_fn hash = (hash_fn)(uintptr_t)addr;
-    PyObject *dseq = PySequence_Fast(dl, "dsts must be a sequence");
-    PyObject *sseq = dseq ? PySequence_Fast(sl, "srcs must be a sequence") : NULL;
-    if (!sseq) { Py_XDECREF(dseq); return NULL; }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(dseq), got = 0;
-    Py_buffer *bufs = NULL;
     unsigned long long *sums = NULL;
-    if (n != PySequence_Fast_GET_SIZE(sseq) || skip < 0 || !hash) {
-        PyErr_SetString(PyExc_ValueError, "one destination per source, skip >= 0 and a hash function");
-        goto done;
+    if (open_pairs(dl, sl, &p) == 0 && (sums = PyMem_Calloc(p.n ? p.n : 1, sizeof(*sums))) == NULL)
+        PyErr_NoMemory();
+    if (sums) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < p.n; i++) {
+            Py_ssize_t len = p.bufs[2 * i + 1].len, from = skip < len ? skip : len;
+            memcpy(p.bufs[2 * i].buf, p.bufs[2 * i + 1].buf, (size_t)len);
+            sums[i] = hash((const char *)p.bufs[2 * i].buf + from, (size_t)(len - from));
+        }
+        Py_END_ALLOW_THREADS
+        out = PyList_New(p.n);
+        for (Py_ssize_t i = 0; out && i < p.n; i++) {
+            PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
+            if (!v) { Py_CLEAR(out); break; }
+            PyList_SET_ITEM(out, i, v);
+        }
     }
-    bufs = PyMem_Calloc(n ? 2 * n : 1, sizeof(Py_buffer));
-    sums = PyMem_Calloc(n ? n : 1, sizeof(unsigned long long));
-    if (!bufs || !sums) { PyErr_NoMemory(); goto done; }
-    for (; got < n; got++) {
-        PyObject *d = PySequence_Fast_GET_ITEM(dseq, got), *s = PySequence_Fast_GET_ITEM(sseq, got);
-        if (get_pair(d, s, &bufs[2 * got], &bufs[2 * got + 1]) < 0) goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t len = bufs[2 * i + 1].len, from = skip < len ? skip : len;
-        memcpy(bufs[2 * i].buf, bufs[2 * i + 1].buf, (size_t)len);
-        sums[i] = hash((const char *)bufs[2 * i].buf + from, (size_t)(len - from));
-    }
-    Py_END_ALLOW_THREADS
-    out = PyList_New(n);
-    for (Py_ssize_t i = 0; out && i < n; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
-        if (!v) { Py_CLEAR(out); break; }
-        PyList_SET_ITEM(out, i, v);
-    }
-done:
-    for (Py_ssize_t i = 0; i < got; i++) {
-        PyBuffer_Release(&bufs[2 * i]);
-        PyBuffer_Release(&bufs[2 * i + 1]);
-    }
-    PyMem_Free(bufs);
     PyMem_Free(sums);
-    Py_DECREF(dseq);
-    Py_DECREF(sseq);
+    close_pairs(&p);
     return out;
 }
 
