@@ -222,14 +222,22 @@ def tune_process() -> None:
     libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20)
 
 
+def share_cpu_pool(cfg: Config) -> None:
+    """Resolve ``[tiers.cpu] shared = "auto"``: yes when the CPU tier is the
+    top tier (same-host clients then store straight into it,
+    cache_service/pool.py) and not page-locked, else no."""
+    cpu, hbm = cfg.tiers.cpu, cfg.tiers.hbm
+    top = hbm is None or not (hbm.device or torch.cuda.is_available())  # open_store drops an hbm tier it cannot use
+    if cpu is not None and cpu.shared == "auto":
+        cpu.shared = "yes" if top and cpu.pin != "yes" else "no"
+
+
 def serve(cfg: Config, settings: ServerSettings) -> int:
     """Run the daemon until SIGTERM/SIGINT, then drain; returns the exit code."""
     tune_process()
     if settings.sessions_dir is None:
         settings.sessions_dir = sessions_root(cfg)
-    cpu = cfg.tiers.cpu
-    if cpu is not None and cpu.shared == "auto":  # same-host clients store straight into it (cache_service/pool.py)
-        cpu.shared = "no" if cpu.pin == "yes" else "yes"
+    share_cpu_pool(cfg)
     store = open_store(cfg)
     try:
         daemon = Daemon(store, settings)

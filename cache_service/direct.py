@@ -35,6 +35,8 @@ HELD, NO_ROOM = -1, -2  # `reserve`'s answers for a block that gets no slot
 class DirectPuts:
     """`reserve` / `commit` / `unreserve` on a shared top tier (module docstring)."""
 
+    _spares_out = 0  # spare slots handed out and not yet committed or handed back (under _meta)
+
     def shared_pool(self):
         """The top tier when other processes may write its slots, else None."""
         top = self.tiers[0]
@@ -43,38 +45,82 @@ class DirectPuts:
     def reserve(self, ns: Namespace, keys: Sequence[BlockHash]) -> list[int]:
         """A slot of the shared top tier per key to write its object into, or
         HELD (the tier has it: its recency is refreshed) or NO_ROOM (full of
-        pinned blocks, or the object cannot fit a slot: store it the usual
-        way). Slots not committed must be handed back (`unreserve`)."""
+        pinned blocks, the object cannot fit a slot, or the key came earlier
+        in `keys`: store it the usual way). Slots not committed must be
+        handed back (`unreserve`)."""
         pool, size = self.shared_pool(), object_size(ns)
         assert pool is not None, "reserve needs a shared top tier"
-        victims: list[Item] = []
         with self._locks[0]:
             held = pool.contains_many(keys)
             todo = [k for k, ok in zip(keys, held) if not ok]
-            try:
-                need = len(set(todo)) * pool.footprint(size)
-                self._make_room(0, need, victims)
-                slots = iter(pool.reserve(todo, size))
-            except CapacityError:
-                slots = iter([None] * len(todo))
-        self._evicted(0, victims)
+            slots, victims = self._make_slots(pool, size, len(set(todo)), lambda: pool.reserve(todo, size))
+        self._victims_down(pool, victims, slots)
         self._touch(0, [k for k, ok in zip(keys, held) if ok])
+        got = iter(slots or [None] * len(todo))
         out = []
         for ok in held:
-            slot = None if ok else next(slots)
+            slot = None if ok else next(got)
             out.append(HELD if ok else NO_ROOM if slot is None else slot)
         return out
+
+    def reserve_spare(self, ns: Namespace, n: int) -> list[int]:
+        """Up to n slots of the shared top tier, made room for as `reserve`
+        does, for blocks a client will name at `commit` (its next store starts
+        filling them without a round trip). At most 1/8 of the tier is spare
+        at a time, over all clients; hand back (`spares_done`) any not
+        committed."""
+        pool, size = self.shared_pool(), object_size(ns)
+        with self._meta:
+            n = min(n, pool.num_slots // 8 - self._spares_out)
+            self._spares_out += max(0, n)
+        if n <= 0:
+            return []
+        with self._locks[0]:
+            slots, victims = self._make_slots(pool, size, n, lambda: pool.reserve_free(n, size))
+        self.spares_done(n - len(slots or []))
+        try:
+            self._victims_down(pool, victims, slots)
+        except BaseException:
+            self.spares_done(len(slots or []))
+            raise
+        return slots or []
+
+    def spares_done(self, n: int) -> None:
+        """n spare slots were committed or handed back."""
+        with self._meta:
+            self._spares_out -= n
+
+    def _make_slots(self, pool, size: int, n: int, take) -> tuple[list | None, list[Item]]:
+        """take() after evicting room for n objects of `size` (caller holds the
+        top tier's lock): (its slots, or None when the objects cannot fit a
+        slot; the victims, for `_victims_down` once the lock is released)."""
+        victims: list[Item] = []
+        try:
+            self._make_room(0, n * pool.footprint(size), victims)
+        except CapacityError:
+            return None, victims
+        return take(), victims
+
+    def _victims_down(self, pool, victims: list[Item], slots: list | None) -> None:
+        """`_evicted`; if that fails, the slots just taken go back first, so none is lost."""
+        try:
+            self._evicted(0, victims)
+        except BaseException:
+            pool.unreserve([s for s in slots or [] if s is not None])
+            raise
 
     def commit(self, sent_ns: Namespace, sent: Sequence[BlockHash], ns: Namespace,
                keys: Sequence[BlockHash], slots: Sequence[int]) -> int:
         """Publish reserved `slots`, into which the client wrote the objects of
         `sent` under `sent_ns`, as the blocks `keys` under `ns`. All or
-        nothing: a header that is not exactly its block's (a slot never
-        written, or written for another block) raises CorruptBlockError and
-        hands every slot back. Returns how many blocks were new to the top tier."""
+        nothing: an object that cannot fit a slot raises CapacityError, a
+        header that is not exactly its block's (a slot never written, or
+        written for another block) CorruptBlockError, and every slot goes
+        back. Returns how many blocks were new to the top tier."""
         pool, size = self.shared_pool(), object_size(ns)
         assert pool is not None and len(sent) == len(keys) == len(slots)
         try:
+            pool.footprint(size)
             idx = torch.tensor(list(slots), dtype=torch.long)
             claims = claimed_in_heads(pool.rows[:, :HEADER_SIZE].index_select(0, idx), sent_ns, sent)
             bad = next((j for j, c in enumerate(claims) if c is None), None)
@@ -83,18 +129,21 @@ class DirectPuts:
                 raise CorruptBlockError("bad object header")  # pragma: no cover (decode raised)
             if (sent_ns, list(sent)) != (ns, list(keys)):  # a tenant's keys: the payloads stay, headers change
                 pool.rows[:, :HEADER_SIZE].index_copy_(0, idx, headers(ns, keys, claims))
+            # copies for write-through tiers, taken while the slots are still only ours (once published,
+            # a delete could free one and another put reuse it before the copy)
+            through = [i for i in range(1, len(self.tiers)) if self.modes[i] == "through"]
+            copies = {k: pool.rows[s, :size].clone() for k, s in zip(keys, slots)} if through else {}
         except BaseException:
             pool.unreserve(slots)
             raise
         with self._locks[0]:
             done = pool.publish(keys, slots, size)
-            new = [(k, s) for k, s, ok in zip(keys, slots, done) if ok]
-            for k, _ in new:
+            new = [k for k, ok in zip(keys, done) if ok]
+            for k in new:
                 self.policies[0].insert(k)
-        self._publish(0, [k for k, _ in new])
-        for i in range(1, len(self.tiers)):  # writers hold objects past this call, and slots get reused
-            if self.modes[i] == "through":
-                self._submit(i, [(k, pool.rows[s, :size].clone()) for k, s in new if not self._below_has(i, k)])
+        self._publish(0, new)
+        for i in through:
+            self._submit(i, [(k, copies[k]) for k in new if not self._below_has(i, k)])
         return len(new)
 
     def spare_limit(self, ns: Namespace) -> int:
@@ -104,21 +153,6 @@ class DirectPuts:
             return max(1, pool.capacity_bytes // pool.footprint(object_size(ns)) // 16)
         except CapacityError:
             return 0
-
-    def reserve_spare(self, ns: Namespace, n: int) -> list[int]:
-        """Up to n slots of the shared top tier, made room for as `reserve`
-        does, for blocks a client will name at `commit` (its next store starts
-        filling them without a round trip). Hand back any not committed."""
-        pool, size = self.shared_pool(), object_size(ns)
-        victims: list[Item] = []
-        with self._locks[0]:
-            try:
-                self._make_room(0, n * pool.footprint(size), victims)
-                slots = pool.reserve_free(n, size)
-            except CapacityError:
-                slots = []
-        self._evicted(0, victims)
-        return slots
 
     def unreserve(self, slots: Sequence[int]) -> None:
         """Hand back reserved slots that will not be committed."""

@@ -14,8 +14,9 @@ message. A connection opens with HELLO carrying the bearer token (empty
 with auth off); the daemon resolves the tenant once and every later call on
 that connection runs as it, through the same servicer methods, status codes
 and metrics as gRPC (`cache_service.rpc.call_as`). A refused HELLO closes
-the connection. `Bell` is the client end; its failures are `BellError`s,
-which are grpc.RpcErrors so callers handle both paths alike.
+the connection. `Bell` is the client end (cache_service/bell.py). The
+daemon's shared pool is served here too (cache_service/pool.py): its memfd
+travels with a reply (SCM_RIGHTS).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ MAX_BODY = 16 << 20  # a ShmRequest of the daemon's max_blocks hashes is ~1.2 MB
 HELLO_BODY = 4096  # what a peer may send before it has shown a token
 HELLO_TIMEOUT_S = 10.0  # for the HELLO, and for the bytes of a call once its frame came
 CALL_TIMEOUT_S = 120.0
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
+CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def send(sock: socket.socket, tag: int, body: bytes, fds: list[int] | None = None) -> None:
@@ -58,16 +59,16 @@ def send(sock: socket.socket, tag: int, body: bytes, fds: list[int] | None = Non
 
 def receive(sock: socket.socket, max_body: int = MAX_BODY) -> tuple[int, bytes] | None:
     """(tag, body) of the next frame; None when the peer closed between frames."""
-    head = _exactly(sock, FRAME.size, eof_ok=True)
+    head = exactly(sock, FRAME.size, eof_ok=True)
     if head is None:
         return None
     n, tag = FRAME.unpack(head)
     if n > max_body:
         raise ConnectionError(f"doorbell frame of {n} bytes exceeds {max_body}")
-    return tag, _exactly(sock, n)
+    return tag, exactly(sock, n)
 
 
-def _exactly(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes | None:
+def exactly(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes | None:
     buf = bytearray(n)
     if not fill(sock, memoryview(buf), eof_ok):
         return None
@@ -217,8 +218,12 @@ class Doorbell:
         with self._lock:
             self.calls += 1
         fds, state.fds = state.fds, []
-        send(state.sock, code.value[0], reply.SerializeToString() if reply is not None else msg.encode(),
-             fds if reply is not None else None)
+        try:  # the fds are the handler's to give: closed once sent (or not, after an error)
+            send(state.sock, code.value[0], reply.SerializeToString() if reply is not None else msg.encode(),
+                 fds if reply is not None else None)
+        finally:
+            for fd in fds:
+                os.close(fd)
         for piece in pieces:
             state.sock.sendall(piece)
 
@@ -262,139 +267,3 @@ class Doorbell:
             t.join(max(0.0, deadline - time.monotonic()))
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-
-
-class BellError(grpc.RpcError):
-    """A doorbell call that failed: the status the daemon answered, or
-    UNAVAILABLE when the connection broke (or timed out)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-class Bell:
-    """The client end: one connection, one call at a time (callers lock)."""
-
-    def __init__(self, address: str | tuple[str, int], token: str | None, timeout_s: float,
-                 connect_timeout_s: float | None = None) -> None:
-        """`address`: a Unix socket's path, or (host, port) of a TCP one."""
-        connect_timeout_s = connect_timeout_s or timeout_s
-        if isinstance(address, str):
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._sock.settimeout(connect_timeout_s)
-            self._sock.connect(address)
-        else:
-            self._sock = socket.create_connection(address, timeout=connect_timeout_s)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            self.ask(HELLO, (token or "").encode())
-            self._sock.settimeout(timeout_s)
-        except BaseException:
-            self._sock.close()
-            raise
-
-    @classmethod
-    def open(cls, path: str, token: str | None, timeout_s: float) -> "Bell | None":
-        """A connection to the doorbell at `path`, or None when it cannot be
-        had (logged; the shared-memory calls then go through gRPC)."""
-        try:
-            return cls(path, token, timeout_s)
-        except (OSError, grpc.RpcError) as e:
-            logging.getLogger("tierkv.client").info("tierkv doorbell %s unusable (%s); shared-memory calls go "
-                                                    "through gRPC", path, e)
-            return None
-
-    def call(self, name: str, request, reply_type):
-        """One shared-memory call; the parsed reply, or BellError."""
-        return _parsed(name, reply_type, self.ask(NAMES[name], request.SerializeToString()))
-
-    def post(self, name: str, request) -> None:
-        """Send a call without waiting: the daemon answers calls in the order
-        they came, so the caller reads each reply later with `answer`."""
-        try:
-            send(self._sock, NAMES[name], request.SerializeToString())
-        except OSError as e:
-            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e or type(e).__name__}") from None
-
-    def answer(self, name: str, reply_type):
-        """The parsed reply of the oldest call `post`ed and not yet answered."""
-        return _parsed(name, reply_type, self.reply())
-
-    def call_fd(self, name: str, request, reply_type):
-        """`call` for a reply that carries a file descriptor: (reply, fd); the
-        caller owns the fd."""
-        try:
-            send(self._sock, NAMES[name], request.SerializeToString())
-            head, fds, _, _ = socket.recv_fds(self._sock, FRAME.size, 1)
-            for fd in fds[1:]:
-                os.close(fd)
-        except OSError as e:
-            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e or type(e).__name__}") from None
-        try:
-            if not head:
-                raise BellError(grpc.StatusCode.UNAVAILABLE, "doorbell: the daemon closed the connection")
-            body = self._body(head + self._read(FRAME.size - len(head)))
-            if not fds:
-                raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {name} reply without its descriptor")
-            return _parsed(name, reply_type, body), fds[0]
-        except BaseException:
-            for fd in fds[:1]:
-                os.close(fd)
-            raise
-
-    def ask(self, op: int, body: bytes, pieces=()) -> bytes:
-        """Send a frame (and `pieces` of raw bytes after it); the reply's body, or BellError."""
-        try:
-            send(self._sock, op, body)
-            for piece in pieces:
-                self._sock.sendall(piece)
-        except OSError as e:
-            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e or type(e).__name__}") from None
-        return self.reply()
-
-    def reply(self) -> bytes:
-        """The next reply frame's body (a bulk op may answer with several), or BellError."""
-        head = self._read(FRAME.size, eof_ok=True)
-        if head is None:
-            raise BellError(grpc.StatusCode.UNAVAILABLE, "doorbell: the daemon closed the connection")
-        return self._body(head)
-
-    def _body(self, head: bytes) -> bytes:
-        """The body of the frame whose header is `head`; BellError for an error status."""
-        n, code = FRAME.unpack(head)
-        if n > MAX_BODY:
-            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: reply of {n} bytes exceeds {MAX_BODY}")
-        body = self._read(n)
-        if code != grpc.StatusCode.OK.value[0]:
-            raise BellError(_CODES.get(code, grpc.StatusCode.UNKNOWN), body.decode("utf-8", "replace"))
-        return body
-
-    def _read(self, n: int, eof_ok: bool = False) -> bytes | None:
-        try:
-            return _exactly(self._sock, n, eof_ok)
-        except OSError as e:  # includes timeouts: the daemon may still be at work on the segment
-            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e or type(e).__name__}") from None
-
-    def recv_into(self, view: memoryview) -> None:
-        """Exactly len(view) raw bytes that follow a reply (BellError if they do not come)."""
-        try:
-            fill(self._sock, view)
-        except OSError as e:
-            raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e or type(e).__name__}") from None
-
-    def close(self) -> None:
-        self._sock.close()
-
-
-def _parsed(name: str, reply_type, body: bytes):
-    try:
-        return reply_type.FromString(body)
-    except Exception:  # protobuf's DecodeError: the connection cannot be trusted any more
-        raise BellError(grpc.StatusCode.UNAVAILABLE, f"doorbell: malformed {name} reply") from None

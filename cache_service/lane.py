@@ -31,7 +31,8 @@ import time
 import grpc
 import torch
 
-from cache_service.doorbell import Bell, BellError, Connection
+from cache_service.bell import Bell, BellError
+from cache_service.doorbell import Connection
 from cache_service.keys import Namespace
 from cache_service.framing import encode_pieces, object_pieces
 from cache_service.objects import HEADER_SIZE, checked_rows, object_size, sound_checksums, write_headers

@@ -27,10 +27,14 @@ one copy, hashed while in cache:
 Why this is safe enough to be on by default: one tenant only (another
 tenant's blocks are never mapped), the pool is verified on every load (a
 scribbled payload is a miss, not a wrong answer), and a slot is written only
-between its reservation and its commit by the connection that holds it.
+between its reservation and its commit, by the client whose connection
+holds it (and at the commit by the daemon, which rewrites headers for a
+tenant's keys). A hash repeated within a Reserve gets "no room" the second
+time.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import grpc
@@ -40,7 +44,7 @@ from cache_service.objects import object_size
 from cache_service.rpc import parse
 from cache_service.wire import RequestError, hashes_from_pb, invalid, ns_from_pb
 from proto import tierkv_pb2 as pb
-from tiers.types import BlockHash, CorruptBlockError
+from tiers.types import BlockHash, CapacityError, CorruptBlockError
 
 
 class Lease:
@@ -66,8 +70,8 @@ class Lease:
             wrong = next((j for j, (k, s) in enumerate(zip(keys, slots))
                           if s not in self.slots or self.slots[s] not in (k, None)), None)
             if wrong is None and len(set(slots)) == len(slots):
-                for s in slots:
-                    del self.slots[s]
+                spares = sum(self.slots.pop(s) is None for s in slots)
+                self.store.spares_done(spares)
                 return
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"Commit: slot {slots[wrong] if wrong is not None else '(repeated)'} is not one this "
@@ -75,8 +79,9 @@ class Lease:
 
     def release(self) -> None:
         with self._lock:
-            slots, self.slots = list(self.slots), {}
-        self.store.unreserve(slots)
+            slots, self.slots = self.slots, {}
+        self.store.unreserve(list(slots))
+        self.store.spares_done(sum(k is None for k in slots.values()))
 
 
 def _lease(servicer, conn: Connection) -> Lease:
@@ -101,8 +106,11 @@ def map_pool(servicer, conn: Connection, body: bytes, tenant: str | None):
     request = parse(pb.PoolRequest, body, "MapPool")
     pool = _pool(servicer)
     ns, _ = servicer._blocks(pb.BlocksRequest(ns=request.ns), tenant)
-    pool.reserve([], object_size(ns))  # sizes a pool still waiting for its first block
-    conn.fds = [pool.share_fd]
+    try:  # sizes a pool still waiting for its first block; a sized one says how big its slots are
+        pool.reserve([], object_size(ns))
+    except CapacityError:  # this namespace's objects do not fit: the client sees it in slot_bytes
+        pass
+    conn.fds = [os.dup(pool.share_fd)]  # ours to close once sent, whatever happens to the pool meanwhile
     return pb.PoolReply(slot_bytes=pool.slot_bytes, slot_stride=pool.slot_stride, num_slots=pool.num_slots), []
 
 
@@ -125,6 +133,7 @@ def reserve(servicer, conn: Connection, body: bytes, tenant: str | None):
 def commit(servicer, conn: Connection, body: bytes, tenant: str | None):
     """COMMIT: publish leased slots the client has written."""
     request = parse(pb.CommitRequest, body, "Commit")
+    _pool(servicer)
     ns, keys = servicer._blocks(request, tenant)
     slots = list(request.slots)
     if len(slots) != len(keys):
@@ -134,7 +143,7 @@ def commit(servicer, conn: Connection, body: bytes, tenant: str | None):
     sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, servicer.s.max_blocks)
     try:
         stored = servicer.store.commit(sent_ns, sent, ns, keys, slots)
-    except CorruptBlockError as e:
+    except (CorruptBlockError, CapacityError) as e:
         raise invalid(f"Commit: bad block object in the shared pool ({e})") from None
     servicer.metrics.moved(tenant, "store", len(keys) * ns.payload_bytes)
     # spares count against the lease's limit, and a client holds at most spare_limit of them

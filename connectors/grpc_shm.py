@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 import grpc
 import torch
 
-from cache_service.doorbell import Bell, BellError
+from cache_service.bell import Bell, BellError
 from cache_service.keys import Namespace
 from cache_service.objects import HEADER_SIZE, encode_flats, encode_rows, object_size, payload_bytes
 from cache_service.shm import Segment
@@ -191,8 +191,9 @@ class SameHost:
                 self._drop()
                 raise
             if rest:  # the pool is full of pinned blocks: the daemon places these below
-                more = self._store_segment(ns, [hashes[j] for j in rest], [payloads[j] for j in rest])
-                return None if more is None and len(rest) == len(hashes) else stored + (more or 0)
+                hs, ps = [hashes[j] for j in rest], [payloads[j] for j in rest]
+                more = self._store_segment(ns, hs, ps)
+                stored += self.client._store_stream(ns, hs, ps) if more is None else more
             return stored
 
     def _store_pool(self, pool: _Pool, ns: Namespace, hashes: Sequence[BlockHash],
@@ -203,9 +204,11 @@ class SameHost:
         per = max(1, CHUNK_BYTES // object_size(ns))
         chunks = _chunks(len(hashes), per)
         replies = _Replies(self.bell, pool.rows.shape[0])
-        if len(self.spare) >= len(chunks[0]):  # spare slots from the last Commit: no round trip to start
-            replies.reserved.append(self.spare[:len(chunks[0])])
-            del self.spare[:len(chunks[0])]
+        if self.spare:  # spare slots from the last Commit: the first chunk starts without a round trip
+            k = min(len(self.spare), len(chunks[0]))
+            chunks[:1] = [chunks[0][:k]] + ([chunks[0][k:]] if k < len(chunks[0]) else [])
+            replies.reserved.append(self.spare[:k])
+            del self.spare[:k]
         else:
             replies.reserve(ns, [hashes[j] for j in chunks[0]])
         flats = payload_bytes(ns, payloads)  # while the daemon, likely idle until now, wakes up and answers
@@ -246,9 +249,9 @@ class SameHost:
             try:
                 reply, fd = self.bell.call_fd("MapPool", pb.PoolRequest(ns=ns_pb(ns)), pb.PoolReply)
             except BellError as e:
-                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
                     raise
-                self.pool_refused = True
+                self.pool_refused = True  # not shared (several tenants, not a pool): the segment it is
                 return None
             self.pool = _map(fd, reply)
         pool = self.pool
@@ -320,10 +323,13 @@ def _map(fd: int, reply: pb.PoolReply) -> _Pool:
     """Map the daemon's pool (fd: its memfd, closed here) as [num_slots, slot_bytes] rows."""
     try:
         size = reply.num_slots * reply.slot_stride
-        if not reply.num_slots or reply.slot_bytes > reply.slot_stride or reply.slot_stride % mmap.PAGESIZE:
+        if not reply.num_slots or reply.slot_bytes > reply.slot_stride or reply.slot_stride % mmap.PAGESIZE \
+                or os.fstat(fd).st_size < size:  # a short file would be SIGBUS, not an error
             raise ProtocolError(f"daemon announced a pool of {reply.num_slots} slots of {reply.slot_bytes} "
-                                f"bytes, {reply.slot_stride} apart")
+                                f"bytes, {reply.slot_stride} apart, in a {os.fstat(fd).st_size}-byte file")
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    except OSError as e:
+        raise ProtocolError(f"cannot map the daemon's pool: {e}") from None
     finally:
         os.close(fd)
     rows = torch.frombuffer(mm, dtype=torch.uint8).view(reply.num_slots, reply.slot_stride)

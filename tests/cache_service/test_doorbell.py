@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from cache_service import doorbell
-from cache_service.doorbell import Bell, BellError
+from cache_service.bell import Bell, BellError
 from cache_service.wire import ns_to_pb
 from connectors.grpc_client import GrpcClient
 from proto import tierkv_pb2 as pb

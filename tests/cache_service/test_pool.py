@@ -11,7 +11,10 @@ import grpc
 import pytest
 import torch
 
-from cache_service.doorbell import Bell, BellError
+from cache_service.bell import Bell, BellError
+from cache_service.config import load_config
+from cache_service.daemon import share_cpu_pool
+from cache_service.keys import Namespace, prefix_hashes
 from cache_service.objects import HEADER_SIZE, encode_objects, object_size
 from cache_service.wire import ns_to_pb
 from connectors.grpc_client import GrpcClient
@@ -54,9 +57,9 @@ def test_a_same_host_client_stores_straight_into_the_daemons_pool(start):
         assert d.store.stats()["cpu"]["blocks"] == 40
         # the blocks read back intact, through the verified load path
         assert intact(c, hs)
-        # storing them again reserves nothing: they are held
-        free = _free_slots(d)
-        assert put(c, hs) == 0 and _free_slots(d) == free
+        # storing them again stores nothing and keeps no slot: they are held
+        free = _free_slots(d) + len(c._near.spare)
+        assert put(c, hs) == 0 and _free_slots(d) + len(c._near.spare) == free
         # and they reach the disk tier below like any other block
         assert d.store.flush(60) and d.store.tiers[1].contains_many(hs) == [True] * 40
 
@@ -193,3 +196,65 @@ def test_a_store_is_cut_in_chunks_with_short_first_and_last_ones():
         assert sum(chunks, []) == list(range(n))
         assert max(len(c) for c in chunks) <= per
     assert [len(c) for c in _chunks(91, 22)] == [5, 22, 22, 22, 15, 5]
+
+
+def test_blocks_larger_than_the_pools_slots_go_through_the_segment(start):
+    d = start(shared=True)  # slots sized for NS
+    big = Namespace("test-model", "bfloat16", num_layers=4, kv_heads=2, head_dim=16, block_tokens=4)
+    hs = prefix_hashes(big, range(12))
+    with GrpcClient(url(d, "shm")) as c:
+        # the pool is mapped but cannot take them: the segment carries them, the daemon places them below
+        assert c.store(big, hs, [torch.ones(big.block_shape, dtype=torch.bfloat16)] * 3) == 0
+        assert c.errors == 0 and d.store.flush(60) and c.lookup(hs) == 3
+        # a Commit naming them in NS's slots is refused, and hands the slots back
+        bell = c._near.bell
+        free = _free_slots(d)
+        slots = _reserve(bell, hashes(2))
+        with pytest.raises(BellError) as e:
+            bell.call("Commit", pb.CommitRequest(ns=ns_to_pb(big), hashes=hashes(2), slots=slots), pb.CommitReply)
+        assert e.value.code() == Code.INVALID_ARGUMENT and _free_slots(d) == free
+
+
+def test_a_daemon_that_does_not_share_its_pool_refuses_the_pool_calls(start):
+    d = start()
+    bell = Bell(d.doorbell.path, None, 10.0)
+    try:
+        for name, request in (("Reserve", pb.BlocksRequest(ns=ns_to_pb(NS), hashes=hashes(1))),
+                              ("Commit", pb.CommitRequest(ns=ns_to_pb(NS), spare=3))):
+            with pytest.raises(BellError) as e:
+                bell.call(name, request, pb.CommitReply)
+            assert e.value.code() == Code.FAILED_PRECONDITION
+    finally:
+        bell.close()
+
+
+def test_spare_slots_are_bounded_per_client_and_over_all_clients(start):
+    d = start(shared=True)  # 64 slots: 4 spares per client, 8 in all
+    clients = [GrpcClient(url(d, "shm")) for _ in range(3)]
+    try:
+        for i, c in enumerate(clients):
+            assert put(c, hashes(2, start=100 * i)) == 2
+        assert [len(c._near.spare) for c in clients] == [4, 4, 0]
+        assert d.store._spares_out == 8
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_partly_spare_first_chunks_stay_within_the_reserve_limit(start):
+    d = start(shared=True, cpu_blocks=256, max_request_bytes=40 * NS.payload_bytes)
+    with GrpcClient(url(d, "shm")) as c:
+        # a store leaves spares; the next one, a whole request's worth, uses them and reserves the rest
+        assert put(c, hashes(1)) == 1 and c._near.spare
+        hs = hashes(40, start=500)
+        assert put(c, hs) == 40 and c.errors == 0 and intact(c, hs)
+
+
+def test_tierkv_serve_shares_its_cpu_pool_only_when_it_is_the_top_tier():
+    # auto: yes for a CPU top tier; no under an HBM tier, or when pinned; an explicit choice stays
+    cases = [({}, "yes"), ({"hbm": {"capacity": 1 << 20, "device": "cpu"}}, "no"), ({"cpu": {"pin": "yes"}}, "no"),
+             ({"cpu": {"shared": "no"}}, "no")]
+    for tiers, want in cases:
+        cfg = load_config(env={}, overrides={"tiers": {**tiers, "cpu": {"capacity": 1 << 20} | tiers.get("cpu", {})}})
+        share_cpu_pool(cfg)
+        assert cfg.tiers.cpu.shared == want, tiers

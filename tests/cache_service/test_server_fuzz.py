@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service.daemon import Daemon
-from cache_service.doorbell import Bell
+from cache_service.bell import Bell
 from cache_service.lane import LOAD
 from cache_service.server import ServerSettings
 from cache_service.shm import Segment
