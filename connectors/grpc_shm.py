@@ -204,7 +204,7 @@ class SameHost:
         per = max(1, CHUNK_BYTES // object_size(ns))
         chunks = _chunks(len(hashes), per)
         replies = _Replies(self.bell, pool.rows.shape[0])
-        if self.spare:  # spare slots from the last Commit: the first chunk starts without a round trip
+        if self.spare:  # spare slots from an earlier Commit: the first chunk starts without a round trip
             k = min(len(self.spare), len(chunks[0]))
             chunks[:1] = [chunks[0][:k]] + ([chunks[0][k:]] if k < len(chunks[0]) else [])
             replies.reserved.append(self.spare[:k])
@@ -223,7 +223,8 @@ class SameHost:
                 hs, ss = [hashes[j] for j, _ in todo], [s for _, s in todo]
                 pool.prepare(ss)
                 encode_flats(pool.rows, ss, ns, hs, [flats[j] for j, _ in todo])
-                replies.commit(ns, hs, ss, spare=max(1, per // 4) - len(self.spare) if k + 1 == len(chunks) else 0)
+                # the first Commit asks for the next store's spares: the daemon makes room while this fills on
+                replies.commit(ns, hs, ss, spare=0 if replies.asked else max(1, per // 4) - len(self.spare))
         stored = replies.finish()
         self.spare += replies.spare
         return stored, rest
@@ -268,7 +269,8 @@ class _Replies:
         self.pending: deque[tuple[str, int]] = deque()  # (call, its Reserve chunk or its Commit's block count)
         self.reserved: list[list[int]] = []
         self.stored = 0
-        self.spare: list[int] = []  # spare slots the last Commit was granted
+        self.spare: list[int] = []  # spare slots a Commit was granted
+        self.asked = False  # a Commit of this store asked for spares already
 
     def reserve(self, ns: Namespace, hashes: list[BlockHash]) -> None:
         self.bell.post("Reserve", pb.BlocksRequest(ns=ns_pb(ns), hashes=hashes))
@@ -277,6 +279,7 @@ class _Replies:
     def commit(self, ns: Namespace, hashes: list[BlockHash], slots: list[int], spare: int = 0) -> None:
         self.bell.post("Commit", pb.CommitRequest(ns=ns_pb(ns), hashes=hashes, slots=slots, spare=max(0, spare)))
         self.pending.append(("Commit", len(hashes)))
+        self.asked = True
 
     def slots(self, k: int) -> list[int]:
         """The slots chunk k got (waiting for the replies before it)."""
@@ -294,7 +297,7 @@ class _Replies:
         if name == "Commit":
             reply = self.bell.answer(name, pb.CommitReply)
             self.stored += reply.stored
-            self.spare = self._checked(name, list(reply.spare), len(reply.spare), 0)
+            self.spare += self._checked(name, list(reply.spare), len(reply.spare), 0)
             return
         self.reserved.append(self._checked(name, list(self.bell.answer(name, pb.ReserveReply).slots), n, NO_ROOM))
 
