@@ -309,8 +309,9 @@ class _Replies:
 
 def _chunks(n: int, per: int) -> list[list[int]]:
     """Positions 0..n-1 in chunks of `per`, the first and the last a quarter
-    of that: filling starts after a short Reserve, and the daemon's last
-    seal, which no filling overlaps, is short."""
+    of that: the first fits the spare slots a Commit asks for (or waits for
+    a short Reserve), and the daemon's last Commit, which no filling
+    overlaps, is short."""
     edge = max(1, per // 4)
     if n <= edge:
         return [list(range(n))]
