@@ -35,11 +35,13 @@ from cache_service.bell import Bell, BellError
 from cache_service.doorbell import Connection
 from cache_service.keys import Namespace
 from cache_service.framing import encode_pieces, object_pieces
-from cache_service.objects import HEADER_SIZE, checked_rows, object_size, sound_checksums, write_headers
+from cache_service.objects import (HEADER_SIZE, checked_rows, checksum, headers, object_size, sound_checksums,
+                                   write_headers)
 from cache_service.rpc import parse
 from cache_service.wire import RequestError, hashes_from_pb, invalid, ns_from_pb, ns_to_pb, torch_dtype
 from proto import tierkv_pb2 as pb
 from tiers.arena import Arena
+from tiers.host_copy import copy_hashed
 from tiers.types import BlockHash, CorruptBlockError
 
 log = logging.getLogger("tierkv.client")
@@ -113,22 +115,78 @@ def serve_store(servicer, conn: Connection, body: bytes, tenant: str | None):
         raise
     sent_ns, sent = ns_from_pb(head.ns), hashes_from_pb(head.hashes, servicer.s.max_blocks)
     rows = conn.arena.matrix(len(keys), object_size(ns))
+    into = _Slots(servicer.store, ns, keys)
+    try:
+        sums = _read_checked(conn, rows, sent_ns, sent, into)
+        if (sent_ns, sent) != (ns, keys):
+            write_headers(rows, ns, keys, sums)
+        stored = into.commit(sums) + servicer.store.store_objects(
+            ns, [keys[j] for j in into.others], [rows[j] for j in into.others], verify=False)
+    except BaseException:
+        into.give_back()
+        raise
+    servicer.metrics.moved(tenant, "store", total)
+    return pb.StoreReply(stored=stored), []
+
+
+def _read_checked(conn: Connection, rows: torch.Tensor, sent_ns: Namespace, sent: list[BlockHash],
+                  into: "_Slots") -> list[int]:
+    """Read a STORE's objects into `rows` group by group, checking each group
+    (and copying it into its pool slots, `_Slots`) while the client sends the
+    next; every object is read even after a bad one, so the connection stays
+    in step. Their payload checksums, or INVALID_ARGUMENT."""
     sums: list[int] = []
     bad: CorruptBlockError | None = None
-    for r in _groups(len(keys), object_size(ns)):
+    for r in _groups(len(sent), rows.shape[1]):
         conn.read_into(memoryview(rows[r.start:r.stop].numpy()).cast("B"))
         try:
-            sums += checked_rows(rows[r.start:r.stop], sent_ns, sent[r.start:r.stop]) if bad is None else []
+            if bad is None:
+                sums += checked_rows(rows[r.start:r.stop], sent_ns, sent[r.start:r.stop], into.copy(rows, r))
         except CorruptBlockError as e:
-            bad = e  # the rest is still read: the connection stays in step
+            bad = e
     conn.unread = False
     if bad is not None:
         raise invalid(f"Store: bad block object ({bad})")
-    if (sent_ns, sent) != (ns, keys):
-        write_headers(rows, ns, keys, sums)
-    stored = servicer.store.store_objects(ns, keys, rows.unbind(0), verify=False)
-    servicer.metrics.moved(tenant, "store", total)
-    return pb.StoreReply(stored=stored), []
+    return sums
+
+
+class _Slots:
+    """Where a lane STORE's objects go when the top tier is a shared pool:
+    slots reserved up front, each object copied into its slot as its group
+    arrives (hashed in the same pass: that is the check), the lot published
+    at the end. Without a shared pool, or for blocks that get no slot, the
+    store's usual put (`others`)."""
+
+    def __init__(self, store, ns: Namespace, keys: list[BlockHash]) -> None:
+        self.store, self.ns, self.keys = store, ns, keys
+        self.pool = store.shared_pool()
+        self.slots = store.reserve(ns, keys) if self.pool is not None else [-2] * len(keys)
+        self.others = [j for j, s in enumerate(self.slots) if s == -2]  # no room: the usual put
+
+    def copy(self, rows: torch.Tensor, r: range) -> list[int] | None:
+        """The payload checksums of rows[r], each row with a slot copied into it
+        as it is hashed; None (hash them in place) when no row has one."""
+        if self.pool is None or all(self.slots[j] < 0 for j in r):
+            return None
+        size, table, src = rows.shape[1], self.pool.rows.numpy(), rows.numpy()
+        mine = [j for j in r if self.slots[j] >= 0]
+        copied = dict(zip(mine, copy_hashed([table[self.slots[j], HEADER_SIZE:size] for j in mine],
+                                            [src[j, HEADER_SIZE:] for j in mine])))
+        return [copied[j] if j in copied else checksum(rows[j, HEADER_SIZE:]) for j in r]
+
+    def commit(self, sums: list[int]) -> int:
+        """Head the copied objects (with the store's keys) and publish them."""
+        mine = [j for j, s in enumerate(self.slots) if s >= 0]
+        if not mine:
+            return 0
+        ks, ss = [self.keys[j] for j in mine], [self.slots[j] for j in mine]
+        self.pool.rows[:, :HEADER_SIZE].index_copy_(0, torch.tensor(ss), headers(self.ns, ks, [sums[j] for j in mine]))
+        self.slots = [-1] * len(self.keys)  # the store's now, published or handed back by commit
+        return self.store.commit(self.ns, ks, self.ns, ks, ss)
+
+    def give_back(self) -> None:
+        self.store.unreserve([s for s in self.slots if s >= 0])
+        self.slots = [-1] * len(self.keys)
 
 
 HANDLERS = {LOAD: ("Load", serve_load), STORE: ("Store", serve_store)}

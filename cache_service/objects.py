@@ -221,21 +221,24 @@ def decode(obj: torch.Tensor, ns: Namespace, h: BlockHash, verify_payload: bool 
     return payload.view(dtype).view(ns.block_shape)
 
 
-def sound_checksums(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash]) -> list[int | None]:
+def sound_checksums(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash],
+                    sums: Sequence[int] | None = None) -> list[int | None]:
     """Per row of ``[n, object_size]`` objects: its payload checksum when its
     header is exactly block hashes[i]'s under `ns` and its payload hashes to
-    that checksum, else None."""
+    that checksum, else None. `sums`: the payloads' checksums, if the caller
+    has them already (hashed as it copied them)."""
     claims = claimed_checksums(rows, ns, hashes)
-    sums = checksums(list(rows[:, HEADER_SIZE:].unbind(0)))
+    sums = sums if sums is not None else checksums(list(rows[:, HEADER_SIZE:].unbind(0)))
     return [c if c is not None and c == s else None for c, s in zip(claims, sums)]
 
 
-def checked_rows(rows: torch.Tensor, sent_ns: Namespace, sent: Sequence[BlockHash]) -> list[int]:
+def checked_rows(rows: torch.Tensor, sent_ns: Namespace, sent: Sequence[BlockHash],
+                 sums: Sequence[int] | None = None) -> list[int]:
     """The payload checksums of ``[n, object_size]`` objects a client encoded
     under its own (namespace, hashes), after checking them in full
     (`sound_checksums`). Raises CorruptBlockError (with decode's diagnosis
     of the first bad object)."""
-    sums = sound_checksums(rows, sent_ns, sent)
+    sums = sound_checksums(rows, sent_ns, sent, sums)
     bad = next((i for i, c in enumerate(sums) if c is None), None)
     if bad is not None:
         decode(rows[bad], sent_ns, sent[bad], verify_payload=True)  # names what is wrong

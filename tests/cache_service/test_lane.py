@@ -7,6 +7,7 @@ import socket
 import time
 
 import grpc
+import pytest
 
 from cache_service import doorbell
 from cache_service.lane import LOAD, STORE, Lane
@@ -73,8 +74,11 @@ def test_the_lane_checks_tokens_and_keeps_tenants_apart(start):
         globex.close()
 
 
-def test_a_bad_object_stores_nothing_and_the_connection_goes_on(start):
-    d = start()
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_bad_object_stores_nothing_and_the_connection_goes_on(start, shared):
+    # with a shared pool the daemon copies objects into reserved slots as it checks them: those go back too
+    d = start(shared=shared)
+    free = d.store.tiers[0].free_bytes()
     lane = _lane(d)
     try:
         hs = hashes(3)
@@ -83,7 +87,7 @@ def test_a_bad_object_stores_nothing_and_the_connection_goes_on(start):
         head = pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs).SerializeToString()
         code, why = _refused(lambda: lane._bell.ask(STORE, head, [o.numpy() for o in objs]))
         assert code == Code.INVALID_ARGUMENT and "checksum" in why
-        assert d.store.lookup(hs) == 0
+        assert d.store.lookup(hs) == 0 and d.store.tiers[0].free_bytes() == free
         # the daemon read the whole call, so the same connection serves the next one
         assert lane.store(NS, hs, [payload_for(h) for h in hs]) == 3
         assert all(same(p, payload_for(h)) for p, h in zip(lane.load(NS, hs), hs))

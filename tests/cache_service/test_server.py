@@ -86,9 +86,10 @@ def scrape(d: Daemon) -> dict:
 
 # ------------------------------------------------------------------ data paths
 # "stream" goes over the daemon's data lane (cache_service/lane.py), "grpc" streams through gRPC (no lane),
-# "pool" stores straight into the daemon's shared host pool (cache_service/pool.py)
+# "pool" stores straight into the daemon's shared host pool (cache_service/pool.py); "stream-pool" streams
+# into a daemon whose lane copies each object into a reserved pool slot as it checks it
 TRANSPORTS = {"shm": ("shm", {}), "pool": ("shm", {"shared": True}), "stream": ("stream", {}),
-              "grpc": ("stream", {"lane_port": None})}
+              "stream-pool": ("stream", {"shared": True}), "grpc": ("stream", {"lane_port": None})}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -102,7 +103,7 @@ def test_round_trip_through_each_transport(start, transport):
         assert put(c, hs[:8]) == 8
         assert c.lookup(hs) == 8
         # a same-host client stored straight into the pool when the daemon shares it
-        assert (c._near is not None and c._near.pool is not None) == ("shared" in settings)
+        assert (c._near is not None and c._near.pool is not None) == ("shared" in settings and transport == "shm")
         # load returns the same bytes, None past the stored prefix
         out = c.load(NS, hs)
         assert intact(c, hs[:8]) and out[8:] == [None, None]
