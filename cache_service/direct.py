@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from cache_service.keys import Namespace
-from cache_service.objects import HEADER_SIZE, claimed_in_heads, decode, headers, object_size
+from cache_service.objects import HEADER_SIZE, claimed_in_heads, decode, object_size, write_headers
 from cache_service.writer import Item
 from tiers.types import BlockHash, CapacityError, CorruptBlockError
 
@@ -128,7 +128,7 @@ class DirectPuts:
                 decode(pool.rows[slots[bad], :size], sent_ns, sent[bad], verify_payload=False)
                 raise CorruptBlockError("bad object header")  # pragma: no cover (decode raised)
             if (sent_ns, list(sent)) != (ns, list(keys)):  # a tenant's keys: the payloads stay, headers change
-                pool.rows[:, :HEADER_SIZE].index_copy_(0, idx, headers(ns, keys, claims))
+                write_headers(pool.rows, ns, keys, claims, at=slots)
             # copies for write-through tiers, taken while the slots are still only ours (once published,
             # a delete could free one and another put reuse it before the copy)
             through = [i for i in range(1, len(self.tiers)) if self.modes[i] == "through"]

@@ -35,7 +35,7 @@ from cache_service.bell import Bell, BellError
 from cache_service.doorbell import Connection
 from cache_service.keys import Namespace
 from cache_service.framing import encode_pieces, object_pieces
-from cache_service.objects import (HEADER_SIZE, checked_rows, checksum, headers, object_size, sound_checksums,
+from cache_service.objects import (HEADER_SIZE, checked_rows, checksum, object_size, sound_checksums,
                                    write_headers)
 from cache_service.rpc import parse
 from cache_service.wire import RequestError, hashes_from_pb, invalid, ns_from_pb, ns_to_pb, torch_dtype
@@ -180,7 +180,7 @@ class _Slots:
         if not mine:
             return 0
         ks, ss = [self.keys[j] for j in mine], [self.slots[j] for j in mine]
-        self.pool.rows[:, :HEADER_SIZE].index_copy_(0, torch.tensor(ss), headers(self.ns, ks, [sums[j] for j in mine]))
+        write_headers(self.pool.rows, self.ns, ks, [sums[j] for j in mine], at=ss)
         self.slots = [-1] * len(self.keys)  # the store's now, published or handed back by commit
         return self.store.commit(self.ns, ks, self.ns, ks, ss)
 

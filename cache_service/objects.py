@@ -171,7 +171,7 @@ def encode_flats(rows: torch.Tensor, slots: Sequence[int], ns: Namespace, hashes
         return
     table = rows.numpy()
     sums = copy_hashed([table[s, HEADER_SIZE:size] for s in slots], flats)
-    rows[:, :HEADER_SIZE].index_copy_(0, torch.tensor(list(slots), dtype=torch.long), headers(ns, hashes, sums))
+    write_headers(rows, ns, hashes, sums, at=slots)
 
 
 def _hash_rows(hashes: Sequence[BlockHash]) -> torch.Tensor:
@@ -246,18 +246,18 @@ def checked_rows(rows: torch.Tensor, sent_ns: Namespace, sent: Sequence[BlockHas
     return sums
 
 
-def write_headers(rows: torch.Tensor, ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int]) -> None:
-    """Write the headers of (ns, keys[i]) with payload checksum sums[i] over rows' headers."""
-    if len(keys):
-        rows[:, :HEADER_SIZE].copy_(headers(ns, keys, sums))
-
-
-def headers(ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int]) -> torch.Tensor:
-    """The ``[n, HEADER_SIZE]`` headers of (ns, keys[i]) with payload checksum sums[i]."""
-    heads = b"".join(header(ns, key, c) for key, c in zip(keys, sums))
-    if not heads:  # frombuffer refuses an empty buffer
-        return torch.empty((0, HEADER_SIZE), dtype=torch.uint8)
-    return torch.frombuffer(bytearray(heads), dtype=torch.uint8).view(-1, HEADER_SIZE)
+def write_headers(rows: torch.Tensor, ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int],
+                  at: Sequence[int] | None = None) -> None:
+    """Write the header of (ns, keys[i]) with payload checksum sums[i] over
+    the header bytes of row i of `rows`, or of row at[i] (a shared pool's slots)."""
+    if not len(keys):
+        return
+    heads = torch.frombuffer(bytearray(b"".join(header(ns, k, c) for k, c in zip(keys, sums))),
+                             dtype=torch.uint8).view(-1, HEADER_SIZE)
+    if at is None:
+        rows[:, :HEADER_SIZE].copy_(heads)
+    else:
+        rows[:, :HEADER_SIZE].index_copy_(0, torch.tensor(list(at), dtype=torch.long), heads)
 
 
 def adopt_rows(rows: torch.Tensor, sent_ns: Namespace, sent: list[BlockHash], ns: Namespace,
