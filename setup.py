@@ -2,7 +2,7 @@
 
 _hashchain (block hashing) needs libxxhash's header (Debian: libxxhash-dev);
 _fastcopy (batched block copies) only a C compiler. Whatever fails to build
-is skipped, and the Python code that each replaces (cache_service/keys.py,
+is skipped, and the Python code that each replaces (cache_service/blocks/keys.py,
 tiers/cpu.py) produces the same digests and bytes.
 """
 import os
@@ -26,7 +26,7 @@ class OptionalBuildExt(build_ext):
 
 
 have_header = os.path.exists("/usr/include/xxhash.h")
-ext = [Extension("cache_service._fastcopy", ["cache_service/_fastcopy.c"], extra_compile_args=["-O2"])]
+ext = [Extension("tiers._fastcopy", ["tiers/_fastcopy.c"], extra_compile_args=["-O2"])]
 if have_header:
-    ext.append(Extension("cache_service._hashchain", ["cache_service/_hashchain.c"], libraries=["xxhash"]))
+    ext.append(Extension("cache_service.blocks._hashchain", ["cache_service/blocks/_hashchain.c"], libraries=["xxhash"]))
 setup(ext_modules=ext, cmdclass={"build_ext": OptionalBuildExt})

@@ -80,7 +80,7 @@ def run_engine(model: str, case: dict, max_model_len: int) -> list[dict]:
     del llm
     gc.collect()
     if ours_here:
-        from connectors import vllm_clients
+        from connectors.vllm import clients as vllm_clients
 
         assert not vllm_clients._clients, "the store must be closed between engines (else the next one is not new)"
     return results
@@ -88,7 +88,7 @@ def run_engine(model: str, case: dict, max_model_len: int) -> list[dict]:
 
 def _our_load_stats() -> dict[str, float]:
     """Our worker's cumulative load and save figures."""
-    from connectors.vllm import connectors_in_process
+    from connectors.vllm.connector import connectors_in_process
 
     w = next(c.worker for c in connectors_in_process() if c.worker is not None).stats
     return {"load_s": w.load_s, "bytes_loaded": w.bytes_loaded, "save_s": w.save_s, "bytes_saved": w.bytes_saved,
@@ -98,7 +98,7 @@ def _our_load_stats() -> dict[str, float]:
 def _finish_our_saves(llm) -> None:
     """Our queued saves done, and vLLM told so: it frees the pages of the
     requests it kept for them (else it refuses to reset its prefix cache)."""
-    from connectors.vllm import connectors_in_process
+    from connectors.vllm.connector import connectors_in_process
 
     for c in connectors_in_process():
         if c.worker is not None and c.worker.saves is not None:
@@ -112,7 +112,7 @@ def _finish_our_saves(llm) -> None:
 
 def _flush_our_stores() -> None:
     """Background disk writes of our embedded store done, so the page cache drop covers them."""
-    from connectors.vllm import connectors_in_process
+    from connectors.vllm.connector import connectors_in_process
 
     for c in connectors_in_process():
         if hasattr(c.client, "flush"):

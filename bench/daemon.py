@@ -36,10 +36,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from cache_service.keys import Namespace  # noqa: E402
-from cache_service.objects import object_size  # noqa: E402
+from cache_service.blocks.keys import Namespace  # noqa: E402
+from cache_service.blocks.objects import object_size  # noqa: E402
 from bench._procs import free_port, wait_port  # noqa: E402
-from connectors.grpc_client import GrpcClient  # noqa: E402
+from connectors.grpc.client import GrpcClient  # noqa: E402
 
 # the namespaces of bench/tiers.py's block sizes: SmolLM2-135M and Llama-3-8B, bf16, 16 tokens
 SHAPES = {"smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", 30, 3, 64),

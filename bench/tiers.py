@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cache_service.keys import chain_hashes  # noqa: E402
+from cache_service.blocks.keys import chain_hashes  # noqa: E402
 from tiers.cpu import CpuTier  # noqa: E402
 from tiers.disk import DiskTier  # noqa: E402
 

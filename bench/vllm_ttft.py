@@ -74,8 +74,8 @@ class Servers:
         self.tierkv_port, self.lmcache_port = free_port(), free_port()
 
     def start_tierkv(self) -> str:
-        from cache_service.keys import Namespace
-        from cache_service.objects import object_size
+        from cache_service.blocks.keys import Namespace
+        from cache_service.blocks.objects import object_size
 
         # SmolLM2-135M's blocks: the pool is sized and prefaulted at start, as LMCache's server
         # allocates its L1 eagerly (--no-l1-use-lazy); measurements wait until that is done

@@ -90,7 +90,7 @@ class TierConfig:
     def __post_init__(self) -> None:
         self.capacity = parse_size(self.capacity, "capacity") if self.capacity else 0
         _check_choice("write", self.write, ("back", "through"))
-        from cache_service.eviction import POLICIES
+        from cache_service.store.eviction import POLICIES
 
         _check_choice("policy", self.policy, tuple(POLICIES))
 
@@ -106,7 +106,7 @@ class CpuConfig(TierConfig):
     pin: str = "auto"
     slot_bytes: int = 0
     prefault: bool = False  # touch the pool's pages in the background at start (daemons)
-    # the pool in a memfd same-host clients write into (cache_service/pool.py); auto: yes under `tierkv serve`
+    # the pool in a memfd same-host clients write into (cache_service/server/pool.py); auto: yes under `tierkv serve`
     shared: str = "auto"
 
     def __post_init__(self) -> None:
@@ -194,7 +194,7 @@ class StoreConfig:
 
 @dataclass(slots=True)
 class DirectoryConfig:
-    """The Redis directory (tiers/redis_dir.py): one Redis (`url`) or a Redis
+    """The Redis directory (cache_service/directory/redis_directory.py): one Redis (`url`) or a Redis
     Cluster (`cluster`, comma-separated host:port startup nodes)."""
 
     url: str = ""

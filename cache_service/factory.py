@@ -12,14 +12,14 @@ import xxhash
 
 from cache_service.config import TIER_ORDER, Config, CpuConfig, DiskConfig, HbmConfig, TierConfig
 from cache_service.config import S3Config
-from cache_service.eviction import make_policy
-from cache_service.sessions import Manifests, SessionStore
-from cache_service.shared_sessions import S3Manifests, SharedSessionStore
-from cache_service.store import TieredStore
+from cache_service.store.eviction import make_policy
+from cache_service.sessions.manifests import Manifests, SessionStore
+from cache_service.sessions.shared import S3Manifests, SharedSessionStore
+from cache_service.store.tiered_store import TieredStore
 from tiers.base import Tier
 
 if TYPE_CHECKING:
-    from tiers.redis_dir import RedisDirectory
+    from cache_service.directory.redis_directory import RedisDirectory
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ def open_store(cfg: Config) -> TieredStore:
 def open_directory(cfg: Config, node: bool = True) -> "RedisDirectory":
     """The Redis directory of `cfg` (which must configure one). `node`: this
     process holds blocks (registers, heartbeats); False: a reader."""
-    from tiers.redis_dir import RedisDirectory  # lazy: redis only when configured
+    from cache_service.directory.redis_directory import RedisDirectory  # lazy: redis only when configured
 
     d, s3, disk = cfg.directory, cfg.tiers.s3, cfg.tiers.disk
     assert d is not None, "no [directory] configured"

@@ -22,7 +22,7 @@ import torch
 
 from cache_service.config import Config, default_cache_dir, load_config
 from cache_service.factory import open_store
-from cache_service.keys import Namespace
+from cache_service.blocks.keys import Namespace
 from tiers.types import BlockHash, ConfigError, TierKVError, TierUnavailableError
 
 log = logging.getLogger("tierkv.client")
@@ -72,7 +72,7 @@ def connect(url: str, config: Config | None = None) -> CacheClient | None:
         except OSError as e:
             raise TierUnavailableError(f"cannot open local cache at {urlsplit(url).path or 'default dir'}: {e}") from e
     if scheme == "grpc":
-        from connectors.grpc_client import GrpcClient  # lazy: grpc only when a daemon is used
+        from connectors.grpc.client import GrpcClient  # lazy: grpc only when a daemon is used
 
         return GrpcClient(url)
     raise TierKVError(f"cache URL {url!r}: scheme must be local://, grpc:// or none")

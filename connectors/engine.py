@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache_service.keys import Namespace, prefix_hashes
+from cache_service.blocks.keys import Namespace, prefix_hashes
 from connectors.client import CacheClient
 from kernels import gather_blocks, scatter_blocks
 from tiers.types import BlockHash

@@ -1,7 +1,7 @@
 """Page allocation with ref counts and prefix caching by page.
 
 Each full page of computed KV is keyed by a chained 16-byte hash of its tokens
-(``cache_service.keys.chain_hashes`` from the model's namespace fingerprint).
+(``cache_service.blocks.keys.chain_hashes`` from the model's namespace fingerprint).
 A page whose ref count drops to zero keeps its hash and its KV: it sits in an
 LRU of free cached pages and a later request with the same prefix takes it
 back. Allocation prefers never-cached pages and otherwise evicts the least
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from cache_service.keys import chain_hashes
+from cache_service.blocks.keys import chain_hashes
 from engine.sequence import Sequence
 
 

@@ -16,11 +16,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                  "answer one prompt through the engine and the KV cache"),
     "chat": ("engine.cli_generate:add_chat_args", "engine.cli_generate:run_chat",
              "interactive chat; each turn resumes the session's KV"),
-    "serve": ("cache_service.cli_daemon:add_serve_args", "cache_service.cli_daemon:run_serve",
+    "serve": ("cache_service.server.cli_serve:add_serve_args", "cache_service.server.cli_serve:run_serve",
               "run the standalone cache daemon (gRPC, metrics, health, auth)"),
-    "stats": ("cache_service.cli_daemon:add_stats_args", "cache_service.cli_daemon:run_stats",
+    "stats": ("cache_service.server.cli_serve:add_stats_args", "cache_service.server.cli_serve:run_stats",
               "per-tier counters of a running daemon"),
-    "sessions": ("cache_service.cli_daemon:add_sessions_args", "cache_service.cli_daemon:run_sessions",
+    "sessions": ("cache_service.server.cli_serve:add_sessions_args", "cache_service.server.cli_serve:run_sessions",
                  "list, show or delete a daemon's session manifests"),
 }
 

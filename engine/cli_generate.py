@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cache_service.config import default_cache_dir, load_config
 from cache_service.factory import open_sessions
-from cache_service.sessions import Session, SessionStore
+from cache_service.sessions.manifests import Session, SessionStore
 from connectors.client import connect
 from connectors.engine import EngineConnector
 from engine.llm import LLM, RequestOutput, SamplingParams

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from cache_service.keys import Namespace
+from cache_service.blocks.keys import Namespace
 from connectors.model_id import model_id_for_dir
 from engine.block_manager import BlockManager
 from engine.config import DTYPES, EngineConfig, ModelConfig

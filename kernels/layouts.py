@@ -8,7 +8,7 @@ per attention layer, in a backend-specific layout:
   the instruction set it detects (K transposed to ``[head_dim, block_size]``
   on AVX-512, another packing with AMX), so no fixed adapter is right; the
   vLLM connector learns the packing at start-up by writing probe values
-  through vLLM's own cache writer (``connectors/vllm_pages.py``).
+  through vLLM's own cache writer (``connectors/vllm/pages.py``).
 - CUDA flash-attention: ``[2, num_blocks, block_size, kv_heads, head_dim]``,
   i.e. one layer of our engine's paged cache, so the page-copy Triton kernel
   serves it with one launch per layer; ``block_tokens`` may span several vLLM

@@ -1,7 +1,7 @@
 """The `Tier` interface: one storage level of the hierarchy.
 
 A tier stores opaque *block objects* (1-D contiguous ``torch.uint8`` tensors:
-header + payload, see ``cache_service/objects.py``) under their BlockHash.
+header + payload, see ``cache_service/blocks/objects.py``) under their BlockHash.
 A tier never evicts by itself and never knows another tier: the store picks
 victims with its eviction policy, deletes them here and demotes them below.
 All operations are batched: one call per request, not per block.

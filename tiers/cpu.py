@@ -11,7 +11,7 @@ the slot it copies from, and a slot deleted while pinned goes back to the free
 list only when its last reader is done. So no copy ever races a reuse.
 
 A `shared` pool lives in a memfd instead of anonymous memory, so a daemon
-can hand its file descriptor to a same-host client (cache_service/pool.py):
+can hand its file descriptor to a same-host client (cache_service/server/pool.py):
 the client then writes block objects straight into slots it `reserve`d, and
 the daemon `publish`es them. Its rows start on page boundaries (a row's
 stride is its slot size rounded up to a page), and since other processes can

@@ -36,7 +36,7 @@ def buffers(arena: Arena, sizes: list[int]) -> list[torch.Tensor]:
     """Read buffers: rows of the tier's arena when all objects have the same
     size (the usual batch of one namespace), so the payloads handed out are
     evenly spaced in one buffer and a caller can take them as one batch
-    without copying (connectors/vllm_pages.py), and the next batch reuses
+    without copying (connectors/vllm/pages.py), and the next batch reuses
     memory already faulted in once the caller has dropped them."""
     if sizes and all(n == sizes[0] for n in sizes):
         return arena.rows(len(sizes), sizes[0])

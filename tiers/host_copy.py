@@ -13,7 +13,7 @@ import xxhash
 import xxhash._xxhash
 
 try:  # batched host copies without per-copy interpreter overhead (setup.py builds it)
-    from cache_service._fastcopy import copy_hash_many, copy_many
+    from tiers._fastcopy import copy_hash_many, copy_many
 except ImportError:  # pragma: no cover - no C compiler where installed
     copy_many = copy_hash_many = None
 

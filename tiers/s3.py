@@ -4,7 +4,7 @@ Keys are content-addressed, ``<prefix>/<namespace hex>/<hh>/<hash hex>``
 (hh = first hash byte in hex, spreading keys over 256 S3 partitions), so a
 namespace (a model, a layout, a tenant) can be listed, expired or deleted by
 prefix. The tier reads the namespace of a put from the object's header
-(bytes 8..24, see cache_service/objects.py); for reads it knows the
+(bytes 8..24, see cache_service/blocks/objects.py); for reads it knows the
 namespace of every block it listed or wrote, and the store tells it the
 namespaces it loads under (`note_namespace`), so a block another node wrote
 is found with one GET per namespace in use (usually one).

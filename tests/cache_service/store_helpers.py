@@ -5,9 +5,9 @@ import torch
 
 from cache_service.config import load_config
 from cache_service.factory import open_store
-from cache_service.keys import Namespace, prefix_hashes
-from cache_service.objects import object_size
-from cache_service.store import TieredStore
+from cache_service.blocks.keys import Namespace, prefix_hashes
+from cache_service.blocks.objects import object_size
+from cache_service.store.tiered_store import TieredStore
 
 NS = Namespace("test-model", "bfloat16", num_layers=2, kv_heads=2, head_dim=16, block_tokens=4)
 OBJ = object_size(NS)

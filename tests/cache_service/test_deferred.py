@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from cache_service.eviction import make_policy
-from cache_service.objects import decode
-from cache_service.store import TieredStore
+from cache_service.store.eviction import make_policy
+from cache_service.blocks.objects import decode
+from cache_service.store.tiered_store import TieredStore
 from tests.cache_service.store_helpers import NS, OBJ, all_same, hashes, payload_for
 from tiers.cpu import CpuTier
 from tiers.disk import DiskTier

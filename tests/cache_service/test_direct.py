@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cache_service.direct import HELD, NO_ROOM
-from cache_service.objects import encode_objects
+from cache_service.store.shared_slots import HELD, NO_ROOM
+from cache_service.blocks.objects import encode_objects
 from tiers.types import CorruptBlockError
 from tests.cache_service.store_helpers import NS, all_same, hashes, make_store, payload_for, write_flushed
 

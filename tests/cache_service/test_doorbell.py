@@ -9,10 +9,10 @@ import socket
 import grpc
 import pytest
 
-from cache_service import doorbell
-from cache_service.bell import Bell, BellError
-from cache_service.wire import ns_to_pb
-from connectors.grpc_client import GrpcClient
+from cache_service.server import socket_server as doorbell
+from cache_service.protocol.socket_client import Bell, BellError
+from cache_service.protocol.messages import ns_to_pb
+from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
 from tests.cache_service.store_helpers import NS, hashes
 from tests.cache_service.test_server import TOKENS, intact, put, start, url  # noqa: F401 (fixture)

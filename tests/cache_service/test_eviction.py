@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from cache_service.eviction import POLICIES, EvictionPolicy, make_policy
-from cache_service.eviction.arc import ARCPolicy
-from cache_service.eviction.lfu import LFUPolicy
-from cache_service.eviction.lru import LRUPolicy
-from cache_service.eviction.s3fifo import S3FIFOPolicy
+from cache_service.store.eviction import POLICIES, EvictionPolicy, make_policy
+from cache_service.store.eviction.arc import ARCPolicy
+from cache_service.store.eviction.lfu import LFUPolicy
+from cache_service.store.eviction.lru import LRUPolicy
+from cache_service.store.eviction.s3fifo import S3FIFOPolicy
 from tiers.types import BlockHash, ConfigError
 
 
@@ -46,11 +46,11 @@ def test_registry_builds_every_policy_by_name():
 def test_registry_imports_a_policy_module_on_first_use():
     # a fresh interpreter: importing the package loads no policy module
     code = (
-        "import sys, cache_service.eviction as e\n"
-        "mods = lambda: {m for m in sys.modules if m.startswith('cache_service.eviction.')}\n"
-        "assert mods() == {'cache_service.eviction.base'}, mods()\n"
+        "import sys, cache_service.store.eviction as e\n"
+        "mods = lambda: {m for m in sys.modules if m.startswith('cache_service.store.eviction.')}\n"
+        "assert mods() == {'cache_service.store.eviction.base'}, mods()\n"
         "e.make_policy('arc', 4)\n"
-        "assert mods() == {'cache_service.eviction.base', 'cache_service.eviction.arc'}, mods()\n"
+        "assert mods() == {'cache_service.store.eviction.base', 'cache_service.store.eviction.arc'}, mods()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

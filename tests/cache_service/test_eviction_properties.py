@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_service.eviction import POLICIES, make_policy
+from cache_service.store.eviction import POLICIES, make_policy
 from tests.cache_service.test_eviction import H, access, no_pins
 from tiers.types import BlockHash
 

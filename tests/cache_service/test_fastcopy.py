@@ -5,9 +5,9 @@ import pytest
 import torch
 
 if os.environ.get("CI") == "true":  # CI installs with a compiler: a missing build is a failure there
-    from cache_service import _fastcopy as fastcopy
+    from tiers import _fastcopy as fastcopy
 else:
-    fastcopy = pytest.importorskip("cache_service._fastcopy")
+    fastcopy = pytest.importorskip("tiers._fastcopy")
 
 
 def test_copy_many_matches_torch_copies():

@@ -1,14 +1,14 @@
-"""The streamed data path's hand-built messages (cache_service/framing.py), without a server."""
+"""The streamed data path's hand-built messages (cache_service/protocol/streaming.py), without a server."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from cache_service.framing import (FramingError, LoadReader, ObjectReader, StoreMessage, admit, encode_pieces,
+from cache_service.protocol.streaming import (FramingError, LoadReader, ObjectReader, StoreMessage, admit, encode_pieces,
                                    load_messages, object_pieces, parse_load_chunk, store_messages)
-from cache_service.objects import HEADER_SIZE, decode, encode
-from cache_service.wire import ns_to_pb
+from cache_service.blocks.objects import HEADER_SIZE, decode, encode
+from cache_service.protocol.messages import ns_to_pb
 from proto import tierkv_pb2 as pb
 from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
 from tiers.types import CorruptBlockError

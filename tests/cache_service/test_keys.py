@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache_service import keys
-from cache_service.keys import Namespace, chain_hashes, prefix_hashes
+from cache_service.blocks import keys
+from cache_service.blocks.keys import Namespace, chain_hashes, prefix_hashes
 from tiers.types import ConfigError
 
 SPEC = Path(__file__).resolve().parents[2] / "docs" / "hash-spec.md"
@@ -58,7 +58,7 @@ def test_accelerator_is_built_and_agrees_on_long_prompts(monkeypatch):
 
 def test_keys_are_identical_in_another_process():
     # a fresh interpreter (different hash seed) computes the same keys
-    code = ("from cache_service.keys import Namespace, prefix_hashes;"
+    code = ("from cache_service.blocks.keys import Namespace, prefix_hashes;"
             "ns=Namespace('m','float16',2,2,8);print(''.join(h.hex() for h in prefix_hashes(ns, range(64))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PATH": "/usr/bin"}, cwd=SPEC.parents[1])

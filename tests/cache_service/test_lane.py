@@ -9,11 +9,11 @@ import time
 import grpc
 import pytest
 
-from cache_service import doorbell
-from cache_service.lane import LOAD, STORE, Lane
-from cache_service.objects import HEADER_SIZE, encode, object_size
-from cache_service.wire import ns_to_pb
-from connectors.grpc_client import GrpcClient
+from cache_service.server import socket_server as doorbell
+from cache_service.server.data_path import LOAD, STORE, Lane
+from cache_service.blocks.objects import HEADER_SIZE, encode, object_size
+from cache_service.protocol.messages import ns_to_pb
+from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
 from tests.cache_service.store_helpers import NS, hashes, payload_for, same
 from tests.cache_service.test_doorbell import _refused

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from cache_service.keys import Namespace, prefix_hashes
-from cache_service import objects
-from cache_service.objects import (HEADER_SIZE, checksum, claimed_checksum, claimed_checksums, decode, encode,
+from cache_service.blocks.keys import Namespace, prefix_hashes
+from cache_service.blocks import objects
+from cache_service.blocks.objects import (HEADER_SIZE, checksum, claimed_checksum, claimed_checksums, decode, encode,
                                    encode_rows, object_size)
 from tiers import host_copy
 from tiers.types import CorruptBlockError

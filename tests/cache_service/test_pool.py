@@ -1,6 +1,6 @@
 """The shared-pool store: a same-host client reserves slots of the daemon's
 host pool, encodes block objects straight into them, and the daemon checks
-and publishes them (cache_service/pool.py, cache_service/direct.py)."""
+and publishes them (cache_service/server/pool.py, cache_service/store/shared_slots.py)."""
 from __future__ import annotations
 
 import mmap
@@ -11,14 +11,14 @@ import grpc
 import pytest
 import torch
 
-from cache_service.bell import Bell, BellError
+from cache_service.protocol.socket_client import Bell, BellError
 from cache_service.config import load_config
-from cache_service.daemon import share_cpu_pool
-from cache_service.keys import Namespace, prefix_hashes
-from cache_service.objects import HEADER_SIZE, encode_objects, object_size
-from cache_service.wire import ns_to_pb
-from connectors.grpc_client import GrpcClient
-from connectors.grpc_shm import _chunks
+from cache_service.server.daemon import share_cpu_pool
+from cache_service.blocks.keys import Namespace, prefix_hashes
+from cache_service.blocks.objects import HEADER_SIZE, encode_objects, object_size
+from cache_service.protocol.messages import ns_to_pb
+from connectors.grpc.client import GrpcClient
+from connectors.grpc.same_host import _chunks
 from proto import tierkv_pb2 as pb
 from tests.cache_service.store_helpers import NS, hashes, payload_for
 from tests.cache_service.test_server import TOKENS, intact, put, start, url  # noqa: F401 (fixture)

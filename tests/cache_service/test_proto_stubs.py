@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_service.keys import Namespace
+from cache_service.blocks.keys import Namespace
 from proto import tierkv_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,14 +12,14 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_service.daemon import Daemon
-from cache_service.keys import prefix_hashes
-from cache_service.metrics import StructuredFormatter
-from cache_service.server import ServerSettings
-from cache_service.sessions import Session
-from cache_service.shm import Segment
-from cache_service.wire import ns_to_pb
-from connectors.grpc_client import GrpcClient
+from cache_service.server.daemon import Daemon
+from cache_service.blocks.keys import prefix_hashes
+from cache_service.server.metrics import StructuredFormatter
+from cache_service.server.servicer import ServerSettings
+from cache_service.sessions.manifests import Session
+from cache_service.protocol.segment import Segment
+from cache_service.protocol.messages import ns_to_pb
+from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
 from tests.cache_service.store_helpers import NS, OBJ, hashes, make_store, payload_for, same
@@ -85,8 +85,8 @@ def scrape(d: Daemon) -> dict:
 
 
 # ------------------------------------------------------------------ data paths
-# "stream" goes over the daemon's data lane (cache_service/lane.py), "grpc" streams through gRPC (no lane),
-# "pool" stores straight into the daemon's shared host pool (cache_service/pool.py); "stream-pool" streams
+# "stream" goes over the daemon's data lane (cache_service/server/data_path.py), "grpc" streams through gRPC (no lane),
+# "pool" stores straight into the daemon's shared host pool (cache_service/server/pool.py); "stream-pool" streams
 # into a daemon whose lane copies each object into a reserved pool slot as it checks it
 TRANSPORTS = {"shm": ("shm", {}), "pool": ("shm", {"shared": True}), "stream": ("stream", {}),
               "stream-pool": ("stream", {"shared": True}), "grpc": ("stream", {"lane_port": None})}
@@ -144,7 +144,7 @@ def test_auto_falls_back_to_streaming_when_the_daemon_cannot_map_the_segment(sta
 def test_a_client_refuses_a_daemon_with_another_wire_format(start, monkeypatch):
     # a daemon of another wire version (its Load/Store would not parse): the client says so at connect
     d = start()
-    monkeypatch.setattr("cache_service.server.VERSION", "tierkv-daemon/1")
+    monkeypatch.setattr("cache_service.server.servicer.VERSION", "tierkv-daemon/1")
     with pytest.raises(TierUnavailableError, match="speaks 'tierkv-daemon/1'"):
         GrpcClient(url(d))
 

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_service.daemon import Daemon
-from cache_service.bell import Bell
-from cache_service.lane import LOAD
-from cache_service.server import ServerSettings
-from cache_service.shm import Segment
-from cache_service.wire import ns_to_pb
-from connectors.grpc_client import GrpcClient
+from cache_service.server.daemon import Daemon
+from cache_service.protocol.socket_client import Bell
+from cache_service.server.data_path import LOAD
+from cache_service.server.servicer import ServerSettings
+from cache_service.protocol.segment import Segment
+from cache_service.protocol.messages import ns_to_pb
+from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
 from tests.cache_service.store_helpers import NS, hashes, make_store
 from tests.cache_service.test_server import P, intact, put, raw, url

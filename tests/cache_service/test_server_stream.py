@@ -4,9 +4,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from cache_service.objects import HEADER_SIZE, encode
-from cache_service.wire import ns_to_pb
-from connectors.grpc_client import GrpcClient
+from cache_service.blocks.objects import HEADER_SIZE, encode
+from cache_service.protocol.messages import ns_to_pb
+from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
 from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
 from tests.cache_service.test_server import TOKENS, code_of, intact, put, raw, start, url  # noqa: F401, F811 (start: a fixture)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from cache_service.keys import prefix_hashes
-from cache_service.sessions import Session, SessionError, SessionManager, SessionStore
+from cache_service.blocks.keys import prefix_hashes
+from cache_service.sessions.manifests import Session, SessionError, SessionManager, SessionStore
 from tests.cache_service.store_helpers import NS, make_store, payload_for, same
 
 TOKENS = list(range(100, 124))  # six blocks of four tokens

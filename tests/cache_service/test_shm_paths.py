@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import torch
 
-from cache_service.objects import HEADER_SIZE, encode_into, object_size
-from cache_service.shm import Segment
-from cache_service.wire import ns_to_pb
-from connectors.grpc_client import GrpcClient
+from cache_service.blocks.objects import HEADER_SIZE, encode_into, object_size
+from cache_service.protocol.segment import Segment
+from cache_service.protocol.messages import ns_to_pb
+from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
 from tests.cache_service.store_helpers import NS, hashes, payload_for, same
 from tests.cache_service.test_server import code_of, intact, put, raw, start, url  # noqa: F401 (fixture)

@@ -9,7 +9,7 @@ import pytest
 
 from cache_service.config import load_config
 from cache_service.factory import open_store
-from cache_service.objects import encode
+from cache_service.blocks.objects import encode
 from tests.cache_service.store_helpers import NS, OBJ, all_same, hashes, make_store, payload_for, same
 
 ROOT = Path(__file__).resolve().parents[2]

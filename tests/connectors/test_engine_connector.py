@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache_service.keys import chain_hashes, prefix_hashes
+from cache_service.blocks.keys import chain_hashes, prefix_hashes
 from connectors.client import connect
 from connectors.engine import EngineConnector
 from engine import LLM, SamplingParams

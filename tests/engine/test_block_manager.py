@@ -1,7 +1,7 @@
 """Page allocation, ref counts and the prefix cache of the block manager."""
 from __future__ import annotations
 
-from cache_service.keys import chain_hashes
+from cache_service.blocks.keys import chain_hashes
 from engine.block_manager import BlockManager
 from engine.sequence import SamplingParams, Sequence
 

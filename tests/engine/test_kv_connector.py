@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from cache_service.keys import chain_hashes
+from cache_service.blocks.keys import chain_hashes
 from engine import SamplingParams
 from engine.kv_connector import KVConnector
 

@@ -153,7 +153,7 @@ def test_kv_cache_layout_contract(tiny_llm_factory):
 
 
 def test_bfloat16_kv_is_close_to_float32(tiny_llm_factory, tiny_prompts):
-    from cache_service.keys import chain_hashes
+    from cache_service.blocks.keys import chain_hashes
 
     # the same prompt through a bf16 engine and an fp32 engine
     prompt = tiny_prompts[3]

@@ -25,8 +25,8 @@ import xxhash
 
 from cache_service.config import load_config
 from cache_service.factory import open_sessions, open_store
-from cache_service.keys import prefix_hashes
-from cache_service.sessions import SessionManager
+from cache_service.blocks.keys import prefix_hashes
+from cache_service.sessions.manifests import SessionManager
 from connectors.engine import EngineConnector
 from engine import LLM, SamplingParams
 

@@ -19,8 +19,8 @@ import torch
 
 from cache_service.config import load_config
 from cache_service.factory import open_sessions, open_store
-from cache_service.keys import prefix_hashes
-from cache_service.sessions import SessionManager
+from cache_service.blocks.keys import prefix_hashes
+from cache_service.sessions.manifests import SessionManager
 from engine import LLM, SamplingParams
 from tests.cache_service.store_helpers import NS, payload_for, same
 from tests.integration.conftest import S3Server

@@ -11,11 +11,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from cache_service.objects import encode
-from cache_service.sessions import Session
-from cache_service.wire import ns_to_pb
+from cache_service.blocks.objects import encode
+from cache_service.sessions.manifests import Session
+from cache_service.protocol.messages import ns_to_pb
 from connectors.client import connect
-from connectors.grpc_client import GrpcClient
+from connectors.grpc.client import GrpcClient
 from engine.cli import main
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc

@@ -1,4 +1,4 @@
-"""The Redis directory (tiers/redis_dir.py) under TieredStores, against a real
+"""The Redis directory (cache_service/directory/redis_directory.py) under TieredStores, against a real
 redis-server and a real 3-node Redis Cluster, with Ceph's S3 behind: where
 blocks are, which nodes live, shared session manifests, and a Redis outage
 that leaves every store serving local hits and heals by itself."""
@@ -12,10 +12,10 @@ import pytest
 
 from cache_service.config import load_config
 from cache_service.factory import open_sessions, open_store
-from cache_service.sessions import Session, SessionStore
+from cache_service.sessions.manifests import Session, SessionStore
 from tests.cache_service.store_helpers import NS, OBJ, all_same, hashes, write_flushed
 from tests.integration.conftest import S3Server, servers
-from tiers.redis_dir import S3, RedisDirectory
+from cache_service.directory.redis_directory import S3, RedisDirectory
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +154,7 @@ def test_redis_outage_leaves_stores_local_only_and_heals(open_node, caplog):
     write_flushed(x, before)
     sessions.put(Session("before", tenant="acme", token_ids=[1, 2, 3]))
     assert y.lookup(before) == 6
-    caplog.set_level(logging.WARNING, logger="tiers.redis_dir")
+    caplog.set_level(logging.WARNING, logger="cache_service.directory.redis_directory")
     stop = servers("stop", "redis")
     assert stop.returncode == 0, stop.stderr
     try:
@@ -177,7 +177,7 @@ def test_redis_outage_leaves_stores_local_only_and_heals(open_node, caplog):
         start = servers("start", "redis")
         assert start.returncode == 0, start.stderr
     # Logged at a bounded rate: far fewer warnings than failures.
-    warned = [r for r in caplog.records if r.name == "tiers.redis_dir" and "failed" in r.getMessage()]
+    warned = [r for r in caplog.records if r.name == "cache_service.directory.redis_directory" and "failed" in r.getMessage()]
     assert 1 <= len(warned) <= 4
     # Redis is back (empty): within seconds X re-registers and re-publishes its disk and S3
     # blocks, the updates queued during the outage are applied, and Y finds everything.

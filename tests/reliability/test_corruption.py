@@ -11,8 +11,8 @@ import torch
 
 from cache_service.config import load_config
 from cache_service.factory import open_store
-from cache_service.keys import Namespace, prefix_hashes
-from cache_service.objects import HEADER_SIZE, encode
+from cache_service.blocks.keys import Namespace, prefix_hashes
+from cache_service.blocks.objects import HEADER_SIZE, encode
 from connectors.engine import EngineConnector
 from engine import LLM, SamplingParams
 from tests.cache_service.store_helpers import NS, OBJ, hashes, make_store, payload_for, same

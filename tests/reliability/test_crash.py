@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from connectors.grpc_client import GrpcClient
+from connectors.grpc.client import GrpcClient
 from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
 from tests.reliability.conftest import cpu_disk_config, figure
 

@@ -13,8 +13,8 @@ import torch
 
 from cache_service.config import load_config
 from cache_service.factory import open_store
-from cache_service.keys import Namespace, prefix_hashes
-from cache_service.objects import object_size
+from cache_service.blocks.keys import Namespace, prefix_hashes
+from cache_service.blocks.objects import object_size
 from tests.reliability.conftest import figure
 
 pytestmark = pytest.mark.slow

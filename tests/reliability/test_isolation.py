@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from cache_service.sessions import Session
-from cache_service.wire import ns_to_pb
-from connectors.grpc_client import GrpcClient
+from cache_service.sessions.manifests import Session
+from cache_service.protocol.messages import ns_to_pb
+from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
 from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same

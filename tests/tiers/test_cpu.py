@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from cache_service.keys import Namespace
-from cache_service.objects import decode, encode, object_size
+from cache_service.blocks.keys import Namespace
+from cache_service.blocks.objects import decode, encode, object_size
 import tiers.cpu
 from tiers.cpu import CpuTier
 from tiers.hbm import HbmTier

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_service.keys import Namespace
-from cache_service.objects import decode, encode, object_size
+from cache_service.blocks.keys import Namespace
+from cache_service.blocks.objects import decode, encode, object_size
 from tiers.cpu import CpuTier
 from tiers.hbm import HbmTier
 from tiers.types import BlockHash

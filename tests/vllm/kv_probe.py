@@ -9,7 +9,7 @@ tests can compare what vLLM computed, what the store holds and what loaded.
 """
 from __future__ import annotations
 
-from connectors.vllm import TierKVConnector, TierKVMetadata
+from connectors.vllm.connector import TierKVConnector, TierKVMetadata
 from tests.vllm.oracle import K_TRANSPOSED_ISAS, cpu_index, read_tokens
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache_service.keys import Namespace, prefix_hashes
+from cache_service.blocks.keys import Namespace, prefix_hashes
 from connectors.client import connect
 from tests.vllm.oracle import blocks_as_tokens, same, tokens
 

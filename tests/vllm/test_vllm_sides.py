@@ -9,11 +9,11 @@ import threading
 import pytest
 import torch
 
-from cache_service.keys import Namespace, prefix_hashes
+from cache_service.blocks.keys import Namespace, prefix_hashes
 from connectors.client import connect
-from connectors.vllm_scheduler import RemoteLookup, SchedulerSide, TierKVConfig, Transfer, lookup_address
-from connectors.vllm_pages import CpuPageLayout, as_batch
-from connectors.vllm_worker import LookupServer, WorkerSide
+from connectors.vllm.scheduler import RemoteLookup, SchedulerSide, TierKVConfig, Transfer, lookup_address
+from connectors.vllm.pages import CpuPageLayout, as_batch
+from connectors.vllm.worker import LookupServer, WorkerSide
 from tests.vllm.oracle import blocks_as_tokens, cpu_index, read_tokens, same, tokens
 from tiers.types import ConfigError, TierUnavailableError
 

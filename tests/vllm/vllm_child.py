@@ -40,14 +40,14 @@ def _make_llm(spec: dict, extra: dict):
 
 
 def _sides():
-    from connectors.vllm import connectors_in_process
+    from connectors.vllm.connector import connectors_in_process
 
     found = {c.role.name.lower(): c for c in connectors_in_process() if not c._closed}
     return found["scheduler"], found["worker"]
 
 
 def _counters(sched, worker) -> dict:
-    from connectors.vllm import _as_dict
+    from connectors.vllm.connector import _as_dict
 
     if worker.worker.saves is not None:  # the finished request's saves run in the background
         assert worker.worker.saves.wait(timeout_s=60), "saves did not finish within 60 s"
@@ -68,7 +68,7 @@ def main(spec_path: str, out_dir: str) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from cache_service.keys import prefix_hashes
+    from cache_service.blocks.keys import prefix_hashes
 
     spec = json.loads(Path(spec_path).read_text())
     out = Path(out_dir)

@@ -1,0 +1,269 @@
+"""Block objects: a fixed little-endian header followed by the payload.
+
+Layout (offsets in bytes, all little-endian; HEADER_SIZE = 128 so the payload
+is 64-byte aligned):
+
+    0   4s  magic b"TKVB"
+    4   H   format version (1)
+    6   H   header size (128)
+    8   16s namespace fingerprint
+    24  16s block hash
+    40  I   num_layers      44 I kv_heads     48 I head_dim    52 I block_tokens
+    56  B   dtype code      57 B codec code   58 H reserved (0)
+    60  I   reserved (0)
+    64  Q   payload length
+    72  Q   xxh3_64 of the payload
+    80  Q   xxh3_64 of bytes [0, 80)
+    88  ... zero padding up to 128
+
+Decoding checks every field against what the caller asked for; any mismatch
+raises CorruptBlockError, which the store turns into a quarantined miss.
+"""
+from __future__ import annotations
+
+import struct
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from cache_service.blocks.keys import KV_DTYPES, Namespace
+from tiers.host_copy import copy_hashed
+from tiers.types import BlockHash, CorruptBlockError
+
+
+MAGIC = b"TKVB"
+FORMAT_VERSION = 1
+HEADER_SIZE = 128
+_FIXED = struct.Struct("<4sHH16s16sIIIIBBHIQQ")
+_TAIL = struct.Struct("<Q")
+_HASH_FIELD = slice(24, 40)  # where a header holds its block hash
+_DTYPE_CODES = {name: i + 1 for i, name in enumerate(KV_DTYPES)}
+_CODEC_CODES = {"raw": 0}
+assert _FIXED.size == 80
+
+
+def object_size(ns: Namespace) -> int:
+    """Bytes of one encoded block object under namespace `ns`."""
+    return HEADER_SIZE + ns.payload_bytes
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor."""
+    assert t.device.type == "cpu" and t.is_contiguous(), "payload must be contiguous on CPU"
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+def checksum(payload: torch.Tensor) -> int:
+    """xxh3_64 of a contiguous CPU tensor's bytes."""
+    return xxhash.xxh3_64_intdigest(_as_bytes(payload))
+
+
+def checksums(payloads: Sequence[torch.Tensor]) -> list[int]:
+    """`checksum` of each tensor (xxhash lets other threads run meanwhile)."""
+    return [xxhash.xxh3_64_intdigest(_as_bytes(p)) for p in payloads]
+
+
+def header(ns: Namespace, h: BlockHash, csum: int) -> bytes:
+    """The HEADER_SIZE header bytes of block `h` under `ns` whose payload has checksum `csum`."""
+    fixed = _FIXED.pack(
+        MAGIC, FORMAT_VERSION, HEADER_SIZE, ns.fingerprint(), h,
+        ns.num_layers, ns.kv_heads, ns.head_dim, ns.block_tokens,
+        _DTYPE_CODES[ns.kv_dtype], _CODEC_CODES[ns.codec], 0, 0, ns.payload_bytes, csum,
+    )
+    tail = _TAIL.pack(xxhash.xxh3_64_intdigest(fixed))
+    return (fixed + tail).ljust(HEADER_SIZE, b"\0")
+
+
+def encode_into(out: torch.Tensor, ns: Namespace, h: BlockHash, payload: torch.Tensor) -> torch.Tensor:
+    """Write header + payload into `out` (1-D uint8, >= object_size bytes).
+
+    `payload` must hold ns.payload_bytes bytes in the canonical layout
+    [layers, 2, block_tokens, kv_heads, head_dim]. Returns the used prefix of `out`.
+    """
+    size = object_size(ns)
+    assert out.dtype == torch.uint8 and out.dim() == 1 and out.numel() >= size
+    flat = payload.contiguous().view(-1).view(torch.uint8)
+    if flat.numel() != ns.payload_bytes:
+        raise ValueError(f"payload has {flat.numel()} bytes, namespace expects {ns.payload_bytes}")
+    obj = out[:size]
+    obj[HEADER_SIZE:].copy_(flat)
+    hdr = header(ns, h, checksum(obj[HEADER_SIZE:]))
+    obj[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(hdr), dtype=torch.uint8))
+    return obj
+
+
+def claimed_checksum(obj: torch.Tensor, ns: Namespace, h: BlockHash) -> int | None:
+    """The payload checksum in `obj`'s header if that header (and the size) is
+    exactly what an object of block `h` under `ns` has, else None: `decode`'s
+    header checks as a few bytes comparisons, for the hot paths. Callers run
+    `decode` for the diagnosis when it fails."""
+    if obj.dtype != torch.uint8 or obj.dim() != 1 or obj.numel() != object_size(ns) or obj.device.type != "cpu":
+        return None
+    return claimed_checksums(obj.view(1, -1), ns, [h])[0]
+
+
+def claimed_checksums(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash]) -> list[int | None]:
+    """`claimed_checksum` of each row of ``[n, object_size]`` uint8 CPU
+    objects (row i as block hashes[i]): the fixed header bytes compared for
+    all rows at once, then each row's header checksum."""
+    assert rows.dim() == 2 and rows.dtype == torch.uint8 and rows.shape[0] == len(hashes)
+    assert rows.shape[1] == object_size(ns) and rows.device.type == "cpu"
+    return claimed_in_heads(rows[:, :HEADER_SIZE], ns, hashes)
+
+
+def claimed_in_heads(heads: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash]) -> list[int | None]:
+    """`claimed_checksums` from the objects' ``[n, HEADER_SIZE]`` headers alone."""
+    assert heads.dim() == 2 and tuple(heads.shape) == (len(hashes), HEADER_SIZE) and heads.dtype == torch.uint8
+    if not hashes:
+        return []
+    want = _template(ns).expand(len(hashes), HEADER_SIZE).clone()
+    want[:, _HASH_FIELD] = _hash_rows(hashes)
+    fixed = torch.cat([heads[:, :72], heads[:, _FIXED.size + _TAIL.size:]], 1)
+    same = (fixed == torch.cat([want[:, :72], want[:, _FIXED.size + _TAIL.size:]], 1)).all(1).tolist()
+    raw = heads[:, :_FIXED.size + _TAIL.size].numpy().tobytes()
+    out: list[int | None] = []
+    for k, ok in zip(range(0, len(raw), _FIXED.size + _TAIL.size), same):
+        fixed_bytes = raw[k: k + _FIXED.size]
+        ok = ok and _TAIL.unpack_from(raw, k + _FIXED.size)[0] == xxhash.xxh3_64_intdigest(fixed_bytes)
+        out.append(int.from_bytes(fixed_bytes[72:80], "little") if ok else None)
+    return out
+
+
+@lru_cache(maxsize=256)
+def _template(ns: Namespace) -> torch.Tensor:
+    """A header of `ns` as a [1, HEADER_SIZE] tensor: the bytes every object under ns shares
+    (all but the block hash, the payload checksum and the header checksum)."""
+    return torch.frombuffer(bytearray(header(ns, BlockHash(bytes(16)), 0)), dtype=torch.uint8).view(1, -1)
+
+
+def encode_rows(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash],
+                payloads: Sequence[torch.Tensor]) -> None:
+    """`encode_into` for many blocks: row i of ``[n, object_size]`` uint8 CPU
+    `rows` becomes block i's object (each payload copied and hashed in one
+    pass, `tiers.host_copy.copy_hashed`)."""
+    assert rows.dim() == 2 and rows.dtype == torch.uint8 and tuple(rows.shape) == (len(hashes), object_size(ns))
+    encode_objects(rows, range(len(hashes)), ns, hashes, payloads)
+
+
+def encode_objects(rows: torch.Tensor, slots: Sequence[int], ns: Namespace, hashes: Sequence[BlockHash],
+                   payloads: Sequence[torch.Tensor]) -> None:
+    """`encode_rows` into chosen rows: block i's object into ``rows[slots[i]]``
+    of a ``[num_rows, >= object_size]`` uint8 CPU tensor (a shared pool)."""
+    encode_flats(rows, slots, ns, hashes, payload_bytes(ns, payloads))
+
+
+def payload_bytes(ns: Namespace, payloads: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """Each payload's bytes as a flat uint8 array (a view where it can be);
+    ValueError for one of the wrong size."""
+    return [_flat(ns, p).numpy() for p in payloads]
+
+
+def encode_flats(rows: torch.Tensor, slots: Sequence[int], ns: Namespace, hashes: Sequence[BlockHash],
+                 flats: Sequence[np.ndarray]) -> None:
+    """`encode_objects` from `payload_bytes`."""
+    assert len(slots) == len(hashes) == len(flats) and rows.dtype == torch.uint8 and rows.dim() == 2
+    size = object_size(ns)
+    assert rows.shape[1] >= size and rows.stride(1) == 1
+    if not flats:
+        return
+    table = rows.numpy()
+    sums = copy_hashed([table[s, HEADER_SIZE:size] for s in slots], flats)
+    write_headers(rows, ns, hashes, sums, at=slots)
+
+
+def _hash_rows(hashes: Sequence[BlockHash]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b"".join(hashes)), dtype=torch.uint8).view(-1, 16)
+
+
+def _flat(ns: Namespace, payload: torch.Tensor) -> torch.Tensor:
+    flat = payload.detach().cpu().contiguous().view(-1).view(torch.uint8)
+    if flat.numel() != ns.payload_bytes:
+        raise ValueError(f"payload has {flat.numel()} bytes, namespace expects {ns.payload_bytes}")
+    return flat
+
+
+def encode(ns: Namespace, h: BlockHash, payload: torch.Tensor) -> torch.Tensor:
+    """A freshly allocated block object for `payload`."""
+    return encode_into(torch.empty(object_size(ns), dtype=torch.uint8), ns, h, payload.cpu())
+
+
+def decode(obj: torch.Tensor, ns: Namespace, h: BlockHash, verify_payload: bool = True) -> torch.Tensor:
+    """The payload of `obj` as a [layers, 2, block_tokens, kv_heads, head_dim]
+    view in the namespace's dtype, after checking the header against (ns, h)
+    and, when `verify_payload`, the payload checksum. Raises CorruptBlockError.
+    """
+    if obj.dtype != torch.uint8 or obj.dim() != 1 or obj.numel() < HEADER_SIZE:
+        raise CorruptBlockError(f"object too short ({obj.numel()} bytes)")
+    raw = bytes(_as_bytes(obj[:HEADER_SIZE].cpu()))
+    fields = _FIXED.unpack_from(raw)
+    (magic, version, hsize, fp, bh, layers, heads, hdim, btok, dcode, ccode, _, _, plen, csum) = fields
+    if magic != MAGIC or version != FORMAT_VERSION or hsize != HEADER_SIZE:
+        raise CorruptBlockError(f"bad magic/version ({magic!r}, v{version})")
+    if _TAIL.unpack_from(raw, _FIXED.size)[0] != xxhash.xxh3_64_intdigest(raw[: _FIXED.size]):
+        raise CorruptBlockError("header checksum mismatch")
+    if bh != h:
+        raise CorruptBlockError(f"object holds block {bh.hex()}, expected {h.hex()}")
+    if fp != ns.fingerprint():
+        raise CorruptBlockError("object belongs to another namespace")
+    layout = (layers, heads, hdim, btok, dcode, ccode)
+    want = (ns.num_layers, ns.kv_heads, ns.head_dim, ns.block_tokens, _DTYPE_CODES[ns.kv_dtype], _CODEC_CODES[ns.codec])
+    if layout != want or plen != ns.payload_bytes:
+        raise CorruptBlockError(f"layout {layout}/{plen}B differs from expected {want}/{ns.payload_bytes}B")
+    if obj.numel() != HEADER_SIZE + plen:
+        raise CorruptBlockError(f"object is {obj.numel()} bytes, header says {HEADER_SIZE + plen}")
+    payload = obj[HEADER_SIZE:]
+    if verify_payload and checksum(payload.cpu()) != csum:
+        raise CorruptBlockError("payload checksum mismatch")
+    dtype = getattr(torch, ns.kv_dtype)
+    return payload.view(dtype).view(ns.block_shape)
+
+
+def sound_checksums(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash],
+                    sums: Sequence[int] | None = None) -> list[int | None]:
+    """Per row of ``[n, object_size]`` objects: its payload checksum when its
+    header is exactly block hashes[i]'s under `ns` and its payload hashes to
+    that checksum, else None. `sums`: the payloads' checksums, if the caller
+    has them already (hashed as it copied them)."""
+    claims = claimed_checksums(rows, ns, hashes)
+    sums = sums if sums is not None else checksums(list(rows[:, HEADER_SIZE:].unbind(0)))
+    return [c if c is not None and c == s else None for c, s in zip(claims, sums)]
+
+
+def checked_rows(rows: torch.Tensor, sent_ns: Namespace, sent: Sequence[BlockHash],
+                 sums: Sequence[int] | None = None) -> list[int]:
+    """The payload checksums of ``[n, object_size]`` objects a client encoded
+    under its own (namespace, hashes), after checking them in full
+    (`sound_checksums`). Raises CorruptBlockError (with decode's diagnosis
+    of the first bad object)."""
+    sums = sound_checksums(rows, sent_ns, sent, sums)
+    bad = next((i for i, c in enumerate(sums) if c is None), None)
+    if bad is not None:
+        decode(rows[bad], sent_ns, sent[bad], verify_payload=True)  # names what is wrong
+        raise CorruptBlockError("bad object header")  # pragma: no cover (decode raised)
+    return sums
+
+
+def write_headers(rows: torch.Tensor, ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int],
+                  at: Sequence[int] | None = None) -> None:
+    """Write the header of (ns, keys[i]) with payload checksum sums[i] over
+    the header bytes of row i of `rows`, or of row at[i] (a shared pool's slots)."""
+    if not len(keys):
+        return
+    heads = torch.frombuffer(bytearray(b"".join(header(ns, k, c) for k, c in zip(keys, sums))),
+                             dtype=torch.uint8).view(-1, HEADER_SIZE)
+    if at is None:
+        rows[:, :HEADER_SIZE].copy_(heads)
+    else:
+        rows[:, :HEADER_SIZE].index_copy_(0, torch.tensor(list(at), dtype=torch.long), heads)
+
+
+def adopt_rows(rows: torch.Tensor, sent_ns: Namespace, sent: list[BlockHash], ns: Namespace,
+               keys: list[BlockHash]) -> None:
+    """`checked_rows`, then the objects re-headed in place for the store's
+    (tenant namespace, keys) when those differ from what the client sent."""
+    sums = checked_rows(rows, sent_ns, sent)
+    if (sent_ns, list(sent)) != (ns, list(keys)):  # a tenant's keys: the payloads stay, only headers change
+        write_headers(rows, ns, keys, sums)

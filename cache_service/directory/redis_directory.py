@@ -1,0 +1,395 @@
+"""Redis directory: the cross-node index of one tierkv deployment.
+
+What it holds (``P`` = ``tkv:<prefix>``; braces are Redis Cluster hash tags)::
+
+    {P:nodes}:n:<node>       node record (JSON: endpoint, host, pid, started), EX heartbeat_ttl
+    {P:nodes}:all            SET of registered node ids (pruned when a record expires)
+    {P:nodes}:epoch          a random token written once per Redis lifetime
+    P:b:<hash hex>           SET of a block's locations: "s3" and/or node ids (their disk), EX block_ttl
+    {P:t:<tenant>}:s:<id>    session manifest (JSON bytes)
+    {P:t:<tenant>}:index     SET of the tenant's session ids
+    {P:t:<tenant>}:pins      ZSET session id -> pinned until (epoch seconds)
+
+Node keys share a slot (one MGET reads every record); a tenant's keys share a
+slot (saving a session is one MULTI/EXEC); block keys spread over the cluster.
+
+A hint, never the truth: S3 and each node's tiers are. A stale entry costs a
+miss the engine recomputes; a missing one costs a miss. Entries heal by
+themselves: block keys expire, node records expire without heartbeats, and a
+node that (re)registers (first start, its record expired, or Redis restarted
+empty) re-publishes what it holds through the `on_register` callbacks (told
+whether Redis lost its data, i.e. the epoch token changed: then S3 entries
+are re-published too, by every node that knows them).
+
+Availability. Redis errors never reach callers (``cache_service/directory/redis_link.py``:
+counted, logged at a bounded rate, Redis left alone for a doubling backoff up
+to `max_backoff_s`); meanwhile calls return at once (``skipped``): lookups
+find nothing, manifests read None, block updates stay queued (bounded; the
+oldest are dropped and counted). A background thread heartbeats, drains the
+update queue and probes Redis when it is down.
+
+Cost on the hot path: `publish`/`unpublish` only append to a local queue;
+`locate_many` is one pipeline for the whole batch (one round trip per Redis
+node), and a store asks only about blocks its own tiers miss.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from tiers.counters import Counters
+from cache_service.directory.redis_link import Link, Unavailable, make_client, text
+from tiers.types import BlockHash, ConfigError
+
+log = logging.getLogger(__name__)
+S3 = "s3"  # the location of a block in the deployment's bucket
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")  # no braces: they would move hash slots
+_BATCH = 512  # block updates per pipeline
+
+
+@dataclass(slots=True)
+class DirectoryStats(Counters):
+    """Counters of one directory client."""
+
+    requests: int = 0  # round trips attempted (a pipeline is one)
+    locates: int = 0  # locate_many round trips (one per store lookup that missed locally)
+    errors: int = 0  # requests that failed
+    skipped: int = 0  # calls answered without Redis during a backoff
+    published: int = 0
+    unpublished: int = 0
+    dropped: int = 0  # queued updates lost to the queue bound
+    reconnects: int = 0
+    registrations: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+
+class RedisDirectory:
+    """Directory client of one node (`node_id`) or of a reader (`node_id` None:
+    no registration, no heartbeat). Give `url` (``redis://host:port/db``) or
+    `cluster_nodes` (startup ``(host, port)`` pairs of a Redis Cluster)."""
+
+    def __init__(self, *, url: str = "", cluster_nodes: Sequence[tuple[str, int]] = (), node_id: str | None,
+                 endpoint: str = "", prefix: str = "tierkv", heartbeat_ttl_s: float = 15.0,
+                 block_ttl_s: float = 7 * 86400, socket_timeout_s: float = 0.5, max_backoff_s: float = 2.0,
+                 queue_limit: int = 1 << 20) -> None:
+        if bool(url) == bool(cluster_nodes):
+            raise ConfigError("redis directory: give exactly one of url and cluster_nodes")
+        for what, name in (("prefix", prefix), ("node_id", node_id or "x")):
+            if not _NAME.match(name):
+                raise ConfigError(f"redis directory: invalid {what} {name!r} (1-128 of [A-Za-z0-9._:/-])")
+        if heartbeat_ttl_s <= 0 or block_ttl_s <= 0 or socket_timeout_s <= 0 or queue_limit <= 0:
+            raise ConfigError("redis directory: ttls, timeout and queue_limit must be positive")
+        self.node_id, self.endpoint = node_id, endpoint
+        self.heartbeat_ttl_s, self.block_ttl_s, self.queue_limit = heartbeat_ttl_s, block_ttl_s, queue_limit
+        self._p = f"tkv:{prefix}"
+        self.stats = DirectoryStats()
+        self._link = Link(lambda: make_client(url, cluster_nodes, socket_timeout_s), self.stats, max_backoff_s)
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[bool, str, BlockHash]] = deque()
+        self._busy = 0  # updates taken off the queue, not yet applied
+        self._closed = False
+        self._records: dict[str, dict] = {}
+        self._callbacks: list[Callable[[bool], None]] = []
+        self._pending: list[Callable[[bool], None]] = []  # added after the last registration
+        self._registered = False
+        self._emptied = False  # whether Redis had lost its data at the last registration
+        self._next_beat = 0.0
+        self._epoch: bytes | None = None  # the Redis lifetime this node last saw
+        self._started = time.time()
+        self._thread = threading.Thread(target=self._run, name="tierkv-directory", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ keys
+    def _node_key(self, node: str) -> str:
+        return f"{{{self._p}:nodes}}:n:{node}"
+
+    def _nodes_key(self, what: str) -> str:
+        return f"{{{self._p}:nodes}}:{what}"
+
+    def _block_key(self, h: BlockHash) -> str:
+        return f"{self._p}:b:{h.hex()}"
+
+    def _tenant_key(self, tenant: str, what: str) -> str:
+        assert "{" not in tenant and "}" not in tenant and "{" not in what
+        return f"{{{self._p}:t:{tenant or '_'}}}:{what}"
+
+    # ------------------------------------------------------------ state
+    @property
+    def available(self) -> bool:
+        """False from a failed request until one succeeds again."""
+        return self._link.up
+
+    def location_of(self, tier_name: str) -> str | None:
+        """The location a block in tier `tier_name` of this node has in the
+        directory (None: that tier is not visible to other nodes)."""
+        if tier_name == "s3":
+            return S3
+        return self.node_id if tier_name == "disk" and self.node_id else None
+
+    def on_register(self, callback: Callable[[bool], None]) -> None:
+        """Call `callback(redis_was_empty)` on the directory thread after every
+        (re)registration of this node, to re-publish what it holds; once soon
+        if this node registered before the callback was added."""
+        with self._cv:
+            self._callbacks.append(callback)
+            if self._registered:
+                self._pending.append(callback)
+                self._cv.notify_all()
+
+    def nodes(self, fresh: bool = False) -> dict[str, dict]:
+        """Live nodes: id -> record, as of the last heartbeat round, or read
+        now with `fresh` (the cached view when Redis cannot be used)."""
+        if fresh:
+            records = self._link.call_or(self._read_nodes, "nodes", None)
+            if records is not None:
+                with self._cv:
+                    self._records = records
+        with self._cv:
+            return dict(self._records)
+
+    # ------------------------------------------------------------ blocks
+    def publish(self, location: str, hashes: Iterable[BlockHash]) -> None:
+        """Record (in the background) that `location` holds these blocks."""
+        self._enqueue(True, location, hashes)
+
+    def unpublish(self, location: str, hashes: Iterable[BlockHash]) -> None:
+        """Record (in the background) that `location` no longer holds them."""
+        self._enqueue(False, location, hashes)
+
+    def _enqueue(self, add: bool, location: str, hashes: Iterable[BlockHash]) -> None:
+        with self._cv:
+            n = len(self._queue)
+            self._queue.extend((add, location, h) for h in hashes)
+            over = len(self._queue) - self.queue_limit
+            for _ in range(max(0, over)):
+                self._queue.popleft()
+            if len(self._queue) != n:
+                self._cv.notify_all()
+        if over > 0:
+            self.stats.add(dropped=over)
+
+    def locate_many(self, hashes: Sequence[BlockHash]) -> list[frozenset[str]] | None:
+        """Locations of each block ("s3" and ids of registered nodes holding
+        it on disk), in one round trip; None when Redis cannot be used."""
+        if not hashes:
+            return []
+
+        def op(r):
+            p = r.pipeline(transaction=False)
+            p.smembers(self._nodes_key("all"))  # registered nodes: records expired are pruned by heartbeats
+            for h in hashes:
+                p.smembers(self._block_key(h))
+            return p.execute()
+
+        try:
+            live, *found = self._link.call(op, "locate")
+        except Unavailable:
+            return None
+        self.stats.add(locates=1)
+        live = set(map(text, live))
+        return [frozenset(m for m in map(text, s) if m == S3 or m in live) for s in found]
+
+    def in_s3(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Whether the directory knows each block to be in S3 (all False when
+        Redis cannot be used)."""
+        found = self.locate_many(hashes)
+        return [False] * len(hashes) if found is None else [S3 in s for s in found]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued update is applied. False at once while
+        Redis is unusable (they stay queued) or when `timeout` passes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if not self._link.up or (left is not None and left <= 0) or self._closed:
+                    return False
+                self._cv.wait(0.05 if left is None else min(left, 0.05))
+        return True
+
+    # ------------------------------------------------------------ sessions and pins
+    def put_manifest(self, tenant: str, session_id: str, data: bytes, pinned_until: float = 0.0) -> bool:
+        """Store a manifest, index it, and set or clear its pin: one MULTI/EXEC."""
+        def op(r):
+            p = r.pipeline(transaction=True)
+            p.set(self._tenant_key(tenant, f"s:{session_id}"), data)
+            p.sadd(self._tenant_key(tenant, "index"), session_id)
+            pins = self._tenant_key(tenant, "pins")
+            if pinned_until > time.time():
+                p.zadd(pins, {session_id: pinned_until})
+            else:
+                p.zrem(pins, session_id)
+            p.execute()
+            return True
+
+        return self._link.call_or(op, "put session", False)
+
+    def get_manifest(self, tenant: str, session_id: str) -> bytes | None:
+        """The manifest, or None (absent, or Redis unusable)."""
+        return self._link.call_or(lambda r: r.get(self._tenant_key(tenant, f"s:{session_id}")),
+                                  "get session", None)
+
+    def list_manifests(self, tenant: str) -> list[str] | None:
+        """The tenant's session ids; None when Redis cannot be used."""
+        ids = self._link.call_or(lambda r: r.smembers(self._tenant_key(tenant, "index")),
+                                 "list sessions", None)
+        return None if ids is None else sorted(map(text, ids))
+
+    def delete_manifest(self, tenant: str, session_id: str) -> bool | None:
+        """Remove a manifest, its index entry and its pin; whether it existed
+        (None when Redis cannot be used)."""
+        def op(r):
+            p = r.pipeline(transaction=True)
+            p.delete(self._tenant_key(tenant, f"s:{session_id}"))
+            p.srem(self._tenant_key(tenant, "index"), session_id)
+            p.zrem(self._tenant_key(tenant, "pins"), session_id)
+            return bool(p.execute()[0])
+
+        return self._link.call_or(op, "delete session", None)
+
+    def pins(self, tenant: str) -> dict[str, float] | None:
+        """Pinned sessions of a tenant: id -> pinned until (epoch s); expired
+        pins are dropped. None when Redis cannot be used."""
+        def op(r):
+            key, now = self._tenant_key(tenant, "pins"), time.time()
+            p = r.pipeline(transaction=True)
+            p.zremrangebyscore(key, "-inf", now)
+            p.zrangebyscore(key, now, "+inf", withscores=True)
+            return p.execute()[1]
+
+        got = self._link.call_or(op, "pins", None)
+        return None if got is None else {text(k): float(v) for k, v in got}
+
+    # ------------------------------------------------------------ background thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._closed or self._pending or (self._queue and self._link.ready()),
+                                  self._tick())
+                if self._closed:
+                    return
+                late, self._pending = self._pending, []
+            self._run_callbacks(late, self._emptied)
+            if time.monotonic() >= self._next_beat and self._link.ready():
+                self._heartbeat()
+            self._drain()
+
+    def _tick(self) -> float:
+        """Seconds until the next heartbeat, or the next probe while down."""
+        wait = max(0.0, self._next_beat - time.monotonic())
+        return max(0.01, min(wait, self._link.retry_in()) if not self._link.up else wait)
+
+    def _heartbeat(self) -> None:
+        """Refresh this node's record, then the live-node view; on a
+        (re)registration run the callbacks that re-publish holdings."""
+        registered, fresh, callbacks = False, False, []
+        try:
+            if self.node_id:
+                registered, fresh = self._link.call(self._beat, "heartbeat")
+            records = self._link.call(self._read_nodes, "nodes")
+        except Unavailable:
+            self._next_beat = time.monotonic() + self._link.retry_in()
+            return
+        with self._cv:
+            self._records = records
+            if registered:
+                self._registered, self._emptied, self._pending = True, fresh, []
+                callbacks = list(self._callbacks)
+        self._next_beat = time.monotonic() + self.heartbeat_ttl_s / 3
+        if registered:
+            self.stats.add(registrations=1)
+            self._run_callbacks(callbacks, fresh)
+
+    @staticmethod
+    def _run_callbacks(callbacks: list[Callable[[bool], None]], emptied: bool) -> None:
+        for cb in callbacks:
+            try:
+                cb(emptied)
+            except Exception:  # dispatch boundary: a callback bug must not stop heartbeats
+                log.exception("redis directory: register callback failed")
+
+    def _beat(self, r) -> tuple[bool, bool]:
+        """Refresh the node record; (registered anew, Redis lost its data
+        since this node last saw it, or is new)."""
+        rec = json.dumps({"node_id": self.node_id, "endpoint": self.endpoint, "host": socket.gethostname(),
+                          "pid": os.getpid(), "started_s": self._started})
+        p = r.pipeline(transaction=True)
+        p.set(self._node_key(self.node_id), rec, ex=max(1, round(self.heartbeat_ttl_s)), get=True)
+        p.sadd(self._nodes_key("all"), self.node_id)
+        p.set(self._nodes_key("epoch"), os.urandom(8).hex(), nx=True)
+        p.get(self._nodes_key("epoch"))
+        old, _, created, epoch = p.execute()
+        emptied = bool(created) or (self._epoch is not None and epoch != self._epoch)
+        self._epoch = epoch
+        return old is None, emptied
+
+    def _read_nodes(self, r) -> dict[str, dict]:
+        ids = sorted(map(text, r.smembers(self._nodes_key("all"))))
+        recs = r.mget([self._node_key(i) for i in ids]) if ids else []
+        dead = [i for i, v in zip(ids, recs) if v is None]
+        if dead:
+            r.srem(self._nodes_key("all"), *dead)
+        return {i: json.loads(v) for i, v in zip(ids, recs) if v is not None}
+
+    def _drain(self) -> None:
+        """Apply queued block updates, one pipeline per batch; a failed batch
+        goes back to the front of the queue."""
+        while True:
+            with self._cv:
+                if not self._queue or not self._link.ready():
+                    return
+                batch = [self._queue.popleft() for _ in range(min(_BATCH, len(self._queue)))]
+                self._busy = len(batch)
+            try:
+                self._link.call(lambda r: self._apply(r, batch), "publish")
+            except Unavailable:
+                with self._cv:
+                    self._queue.extendleft(reversed(batch))
+                    self._busy = 0
+                    self._cv.notify_all()
+                return
+            added = sum(1 for add, _, _ in batch if add)
+            self.stats.add(published=added, unpublished=len(batch) - added)
+            with self._cv:
+                self._busy = 0
+                self._cv.notify_all()
+
+    def _apply(self, r, batch: list[tuple[bool, str, BlockHash]]) -> None:
+        p = r.pipeline(transaction=False)
+        ttl = max(1, round(self.block_ttl_s))
+        for add, where, h in batch:
+            key = self._block_key(h)
+            if add:
+                p.sadd(key, where)
+                p.expire(key, ttl)
+            else:
+                p.srem(key, where)
+        p.execute()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Apply what is queued (up to `timeout`), deregister, stop."""
+        self.flush(timeout)
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+        if self.node_id and self._link.up:
+            def bye(r):
+                p = r.pipeline(transaction=True)
+                p.delete(self._node_key(self.node_id))
+                p.srem(self._nodes_key("all"), self.node_id)
+                p.execute()
+
+            self._link.call_or(bye, "deregister", None)
+        self._link.close()
+

@@ -1,0 +1,126 @@
+"""`tierkv serve`, `tierkv stats` and `tierkv sessions`: the daemon and its admin.
+
+    tierkv serve --config tierkv.toml [--listen 127.0.0.1:7600] [--metrics-port 9600] [--token-file F]
+    tierkv stats [--url grpc://127.0.0.1:7600] [--json]
+    tierkv sessions list|show|delete [SESSION] [--url URL] [--tenant T] [--json]
+
+Clients send the token in ``TIERKV_TOKEN`` when the daemon has auth on.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+
+from cache_service.config import load_config
+from cache_service.server.metrics import StructuredFormatter
+
+DEFAULT_URL = "grpc://127.0.0.1:7600"
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="TOML config of the store (default: built-in + TIERKV_* env)")
+    p.add_argument("--listen", default="127.0.0.1:7600", metavar="HOST:PORT",
+                   help="gRPC address (default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default: %(default)s)")
+    p.add_argument("--token-file", default=None, help="'<token> <tenant>' lines or a .toml [tokens] table; "
+                                                      "turns auth on (default: off)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=None, help="require client certificates signed by this CA")
+    p.add_argument("--sessions-dir", default=None, help="session manifests root (default: the disk tier's path)")
+    p.add_argument("--lane-port", default="0", metavar="PORT|off",
+                   help="TCP port of the raw-bytes data lane for streaming clients (default: any free port; "
+                        "'off': stream through gRPC only; never opened with TLS)")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get at shutdown")
+    p.add_argument("--workers", type=int, default=16, help="RPC worker threads")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="key=value lines or JSON lines (default: %(default)s)")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from cache_service.server.daemon import serve
+    from cache_service.server.servicer import ServerSettings
+
+    formatter = StructuredFormatter(json_lines=args.log_format == "json")
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter)
+    logging.getLogger("tierkv").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    settings = ServerSettings(listen=args.listen, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                              token_file=args.token_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                              tls_client_ca=args.tls_client_ca, sessions_dir=args.sessions_dir,
+                              grace_s=args.grace, workers=args.workers, lane_port=_lane_port(args.lane_port))
+    return serve(load_config(args.config), settings)
+
+
+def _lane_port(value: str) -> int | None:
+    if value == "off":
+        return None
+    if not value.isdigit() or int(value) > 65535:
+        raise SystemExit(f"--lane-port must be a port number or 'off', got {value!r}")
+    return int(value)
+
+
+def _url_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=DEFAULT_URL, help="the daemon (default: %(default)s)")
+
+
+def add_stats_args(p: argparse.ArgumentParser) -> None:
+    _url_arg(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+_COLUMNS = ("blocks", "used_bytes", "capacity_bytes", "hits", "misses", "evictions", "corrupt", "queue_depth")
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from connectors.grpc.client import GrpcClient
+
+    with GrpcClient(args.url, transport="stream") as client:
+        tiers, daemon = client.stats(), client.daemon_stats()
+    if args.json:
+        print(json.dumps({"tiers": tiers, "daemon": daemon}))
+        return 0
+    width = max([len("tier")] + [len(t) for t in tiers])
+    print(f"{'tier':<{width}} " + " ".join(f"{c:>14}" for c in _COLUMNS))
+    for name, counters in tiers.items():
+        print(f"{name:<{width}} " + " ".join(f"{counters.get(c, 0):>14}" for c in _COLUMNS))
+    print(" ".join(f"{k}={v}" for k, v in daemon.items()))
+    return 0
+
+
+def add_sessions_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=("list", "show", "delete"))
+    p.add_argument("session", nargs="?", help="session id (show, delete)")
+    _url_arg(p)
+    p.add_argument("--tenant", default="", help="tenant (auth off only; with auth the token decides)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run_sessions(args: argparse.Namespace) -> int:
+    from connectors.grpc.client import GrpcClient
+
+    if args.action != "list" and not args.session:
+        print(f"tierkv sessions {args.action}: a session id is required", file=sys.stderr)
+        return 2
+    with GrpcClient(args.url, transport="stream") as client:
+        if args.action == "list":
+            ids = client.sessions.list(args.tenant)
+            print(json.dumps(ids) if args.json else "\n".join(ids))
+            return 0
+        if args.action == "show":
+            s = client.sessions.get(args.session, args.tenant)
+            if s is None:
+                print(f"tierkv: session {args.session!r} not found", file=sys.stderr)
+                return 1
+            data = dataclasses.asdict(s)
+            if not args.json:
+                data["token_ids"] = f"<{len(s.token_ids)} tokens>"
+            print(json.dumps(data, indent=None if args.json else 2))
+            return 0
+        deleted = client.sessions.delete(args.session, args.tenant)
+        print(f"{'deleted' if deleted else 'no such session'}: {args.session}", file=sys.stderr)
+        return 0 if deleted else 1

@@ -1,0 +1,327 @@
+"""The streamed data lane: Load and Store as raw bytes over a TCP socket.
+
+gRPC's Python stack moves 1 MiB messages at 0.06-0.09 x memcpy on this
+kind of machine with no work on either side, a third of what a bare
+loopback socket does (docs/benchmarks.md). So the daemon also serves the
+two bulk calls on a plain TCP port (`HelloReply.lane_port`, on the gRPC
+listen address), with the doorbell's frames, HELLO token check, tenants,
+status codes and metrics (cache_service/server/socket_server.py):
+
+- LOAD: frame(LOAD, LoadRequest) -> frame(OK, LoadShmReply sizes), then the
+  object (header + payload) of each hit back to back, headed for the
+  namespace and hashes the client sent. The client reads them into one
+  buffer and checks every header and checksum in place; a block failing
+  them is a miss.
+- STORE: frame(STORE, StoreChunk with ns and hashes), then every block's
+  object back to back -> frame(OK, StoreReply). The daemon reads them into
+  one buffer, checks each in full, stores them, and stores nothing if one
+  is bad. An error found before the bytes were read closes the connection
+  after its reply (the stream is out of step).
+
+Calls carry at most `HelloReply.lane_batch_bytes` of objects; the client
+splits bigger ones. The lane is plain TCP, so a daemon serving TLS does not
+open it; clients then stream through gRPC.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import torch
+
+from cache_service.protocol.socket_client import Bell, BellError
+from cache_service.server.socket_server import Connection
+from cache_service.blocks.keys import Namespace
+from cache_service.protocol.streaming import encode_pieces, object_pieces
+from cache_service.blocks.objects import (HEADER_SIZE, checked_rows, checksum, object_size, sound_checksums,
+                                   write_headers)
+from cache_service.server.rpc import parse
+from cache_service.protocol.messages import RequestError, hashes_from_pb, invalid, ns_from_pb, ns_to_pb, torch_dtype
+from proto import tierkv_pb2 as pb
+from tiers.arena import Arena
+from tiers.host_copy import copy_hashed
+from tiers.types import BlockHash, CorruptBlockError
+
+log = logging.getLogger("tierkv.client")
+LOAD, STORE = 3, 4
+GROUP_BYTES = 8 << 20
+
+
+def _bounded(servicer, n: int, ns: Namespace) -> int:
+    """Object bytes of n blocks; RESOURCE_EXHAUSTED past the lane's batch size."""
+    total = n * object_size(ns)
+    if total > servicer.s.load_batch_bytes:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{n} block objects of {object_size(ns)} bytes exceed the lane's "
+                           f"{servicer.s.load_batch_bytes}-byte batch; split the call")
+    return total
+
+
+def _groups(n: int, object_bytes: int) -> list[range]:
+    """A call's blocks in groups of about GROUP_BYTES: one group is read,
+    checked or sent while the other side works on the one before."""
+    per = max(1, GROUP_BYTES // object_bytes)
+    return [range(i, min(n, i + per)) for i in range(0, n, per)]
+
+
+def _announced_bytes(head: pb.StoreChunk) -> int | None:
+    """The object bytes a STORE frame says follow it, if its namespace parses."""
+    try:
+        return len(head.hashes) * object_size(ns_from_pb(head.ns))
+    except Exception:  # a namespace that does not parse: the size is unknown
+        return None
+
+
+def serve_load(servicer, conn: Connection, body: bytes, tenant: str | None):
+    """LOAD, group by group: (sizes, the hits' objects as the client named them)."""
+    request = parse(pb.LoadRequest, body, "Load")
+    ns, keys = servicer._blocks(request, tenant)
+    _bounded(servicer, len(keys), ns)
+    sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, servicer.s.max_blocks)
+    S, P = object_size(ns), ns.payload_bytes
+    if not keys:
+        return pb.LoadShmReply(), []
+    rows = conn.arena.matrix(len(keys), S)
+    objs = memoryview(rows.numpy()).cast("B")
+    last: tuple = (pb.LoadShmReply(), [])
+    for k, r in enumerate(_groups(len(keys), S)):
+        if k:
+            conn.send_part(*last)
+        hits = servicer.store.load_into(ns, keys[r.start:r.stop], rows[r.start:r.stop])
+        # headed as the client named them (a tenant's keys are salted); None for a miss
+        found = [object_pieces(objs[j * S:(j + 1) * S], ns, keys[j], sent_ns, sent[j]) if hit else None
+                 for j, hit in zip(r, hits)]
+        servicer.metrics.moved(tenant, "load", P * sum(f is not None for f in found))
+        last = (pb.LoadShmReply(sizes=[P if f is not None else 0 for f in found]),
+                [piece for f in found if f is not None for piece in f])
+    return last
+
+
+def serve_store(servicer, conn: Connection, body: bytes, tenant: str | None):
+    """STORE: read the objects that follow group by group, checking each group
+    while the client sends the next; store them all, or nothing if one is bad."""
+    conn.unread = True  # until the objects are read, an error leaves them in the stream
+    head = parse(pb.StoreChunk, body, "Store")
+    try:
+        ns, keys = servicer._blocks(head, tenant)
+        _bounded(servicer, len(keys), ns)
+        total = servicer._check_request_bytes(len(keys), ns)
+    except RequestError:  # refused before reading: drop the objects that follow when their size is known and sane
+        follows = _announced_bytes(head)
+        if follows is not None and follows <= servicer.s.load_batch_bytes:
+            conn.discard(follows)
+        raise
+    sent_ns, sent = ns_from_pb(head.ns), hashes_from_pb(head.hashes, servicer.s.max_blocks)
+    rows = conn.arena.matrix(len(keys), object_size(ns))
+    into = _Slots(servicer.store, ns, keys)
+    try:
+        sums = _read_checked(conn, rows, sent_ns, sent, into)
+        if (sent_ns, sent) != (ns, keys):
+            write_headers(rows, ns, keys, sums)
+        stored = into.commit(sums) + servicer.store.store_objects(
+            ns, [keys[j] for j in into.others], [rows[j] for j in into.others], verify=False)
+    except BaseException:
+        into.give_back()
+        raise
+    servicer.metrics.moved(tenant, "store", total)
+    return pb.StoreReply(stored=stored), []
+
+
+def _read_checked(conn: Connection, rows: torch.Tensor, sent_ns: Namespace, sent: list[BlockHash],
+                  into: "_Slots") -> list[int]:
+    """Read a STORE's objects into `rows` group by group, checking each group
+    (and copying it into its pool slots, `_Slots`) while the client sends the
+    next; every object is read even after a bad one, so the connection stays
+    in step. Their payload checksums, or INVALID_ARGUMENT."""
+    sums: list[int] = []
+    bad: CorruptBlockError | None = None
+    for r in _groups(len(sent), rows.shape[1]):
+        conn.read_into(memoryview(rows[r.start:r.stop].numpy()).cast("B"))
+        try:
+            if bad is None:
+                sums += checked_rows(rows[r.start:r.stop], sent_ns, sent[r.start:r.stop], into.copy(rows, r))
+        except CorruptBlockError as e:
+            bad = e
+    conn.unread = False
+    if bad is not None:
+        raise invalid(f"Store: bad block object ({bad})")
+    return sums
+
+
+class _Slots:
+    """Where a lane STORE's objects go when the top tier is a shared pool:
+    slots reserved up front, each object copied into its slot as its group
+    arrives (hashed in the same pass: that is the check), the lot published
+    at the end. Without a shared pool, or for blocks that get no slot, the
+    store's usual put (`others`)."""
+
+    def __init__(self, store, ns: Namespace, keys: list[BlockHash]) -> None:
+        self.store, self.ns, self.keys = store, ns, keys
+        self.pool = store.shared_pool()
+        self.slots = store.reserve(ns, keys) if self.pool is not None else [-2] * len(keys)
+        self.others = [j for j, s in enumerate(self.slots) if s == -2]  # no room: the usual put
+
+    def copy(self, rows: torch.Tensor, r: range) -> list[int] | None:
+        """The payload checksums of rows[r], each row with a slot copied into it
+        as it is hashed; None (hash them in place) when no row has one."""
+        if self.pool is None or all(self.slots[j] < 0 for j in r):
+            return None
+        size, table, src = rows.shape[1], self.pool.rows.numpy(), rows.numpy()
+        mine = [j for j in r if self.slots[j] >= 0]
+        copied = dict(zip(mine, copy_hashed([table[self.slots[j], HEADER_SIZE:size] for j in mine],
+                                            [src[j, HEADER_SIZE:] for j in mine])))
+        return [copied[j] if j in copied else checksum(rows[j, HEADER_SIZE:]) for j in r]
+
+    def commit(self, sums: list[int]) -> int:
+        """Head the copied objects (with the store's keys) and publish them."""
+        mine = [j for j, s in enumerate(self.slots) if s >= 0]
+        if not mine:
+            return 0
+        ks, ss = [self.keys[j] for j in mine], [self.slots[j] for j in mine]
+        write_headers(self.pool.rows, self.ns, ks, [sums[j] for j in mine], at=ss)
+        self.slots = [-1] * len(self.keys)  # the store's now, published or handed back by commit
+        return self.store.commit(self.ns, ks, self.ns, ks, ss)
+
+    def give_back(self) -> None:
+        self.store.unreserve([s for s in self.slots if s >= 0])
+        self.slots = [-1] * len(self.keys)
+
+
+HANDLERS = {LOAD: ("Load", serve_load), STORE: ("Store", serve_store)}
+
+
+class Lane:
+    """The client end: one TCP connection, one call at a time (callers lock)."""
+
+    def __init__(self, host: str, port: int, token: str | None, timeout_s: float, batch_bytes: int) -> None:
+        # a port the client cannot reach (a firewall, a proxy in front of gRPC only) costs seconds, not timeout_s
+        self._bell = Bell((host, port), token, timeout_s, connect_timeout_s=min(timeout_s, 3.0))
+        self.batch_bytes = batch_bytes
+        self._arena = Arena()
+        self.corrupt = 0  # loaded blocks that failed their checks (treated as misses)
+
+    def _parts(self, n: int, ns: Namespace) -> list[range]:
+        per = max(1, self.batch_bytes // object_size(ns))
+        return [range(i, min(n, i + per)) for i in range(0, n, per)]
+
+    def load(self, ns: Namespace, hashes: list[BlockHash]) -> list[torch.Tensor | None]:
+        """Verified payloads, None per miss: views of one buffer for the whole
+        load (reused by a later load once the caller dropped them)."""
+        rows = self._arena.matrix(len(hashes), object_size(ns))
+        out: list[torch.Tensor | None] = []
+        for r in self._parts(len(hashes), ns):
+            out += self._load(ns, hashes[r.start:r.stop], rows[r.start:r.stop])
+        return out
+
+    def _load(self, ns: Namespace, hashes: list[BlockHash], rows: torch.Tensor) -> list[torch.Tensor | None]:
+        """One call; its hits land at the front of `rows`, in request order."""
+        S = object_size(ns)
+        body = self._bell.ask(LOAD, pb.LoadRequest(ns=ns_to_pb(ns), hashes=hashes).SerializeToString())
+        sizes: list[int] = []
+        found: list[int] = []
+        good: list[bool] = []
+        while True:  # a group: its sizes, then its hits' objects, checked while the daemon sends the next
+            group = list(pb.LoadShmReply.FromString(body).sizes)
+            if not group and hashes or len(sizes) + len(group) > len(hashes) or any(
+                    s not in (0, ns.payload_bytes) for s in group):  # whatever follows cannot be framed
+                raise BellError(grpc.StatusCode.UNAVAILABLE, f"daemon announced sizes {group[:8]}... after "
+                                f"{len(sizes)} of {len(hashes)} blocks of {ns.payload_bytes} bytes")
+            hits = [len(sizes) + i for i, s in enumerate(group) if s]
+            part = rows[len(found): len(found) + len(hits)]
+            if hits:
+                self._bell.recv_into(memoryview(part.numpy()).cast("B"))
+                good += self._check(part, ns, [hashes[i] for i in hits])
+            sizes, found = sizes + group, found + hits
+            if len(sizes) == len(hashes):
+                break
+            body = self._bell.reply()
+        item = torch_dtype(ns).itemsize
+        payloads = rows[:len(found)].view(torch_dtype(ns)).view(len(found), S // item)[:, HEADER_SIZE // item:]
+        out: list[torch.Tensor | None] = [None] * len(hashes)
+        for i, p, ok in zip(found, payloads.reshape(len(found), *ns.block_shape).unbind(0), good):
+            out[i] = p if ok else None
+        return out
+
+    def _check(self, rows: torch.Tensor, ns: Namespace, hashes: list[BlockHash]) -> list[bool]:
+        """Per object: header and checksum as (ns, hash) needs; a failure is a miss."""
+        if not hashes:
+            return []
+        good = [c is not None for c in sound_checksums(rows, ns, hashes)]
+        if not all(good):
+            self.corrupt += good.count(False)
+            log.warning("tierkv data lane: %d loaded blocks failed their checks; treated as misses", good.count(False))
+        return good
+
+    def store(self, ns: Namespace, hashes: list[BlockHash], payloads: list[torch.Tensor]) -> int:
+        """Objects sent from the caller's payloads (checksummed here, not
+        copied); returns how many were new to the daemon's top tier."""
+        stored = 0
+        for r in self._parts(len(hashes), ns):
+            hs = hashes[r.start:r.stop]
+            # each block hashed just before it is sent, while the daemon reads the one before
+            pieces = (piece for h, p in zip(hs, payloads[r.start:r.stop]) for piece in encode_pieces(ns, h, p))
+            head = pb.StoreChunk(ns=ns_to_pb(ns), hashes=hs).SerializeToString()
+            stored += pb.StoreReply.FromString(self._bell.ask(STORE, head, pieces)).stored
+        return stored
+
+    def close(self) -> None:
+        self._bell.close()
+
+
+class LaneLink:
+    """A client's lane to one daemon: connected on first use, one call at a
+    time, dropped when a call fails and tried again on a later call (at once
+    after a refused call, after `retry_s` when the connection broke)."""
+
+    def __init__(self, host: str, port: int, token: str | None, timeout_s: float, batch_bytes: int,
+                 retry_s: float = 10.0) -> None:
+        self._args = (host, port, token, timeout_s, batch_bytes)
+        self.retry_s = retry_s
+        self._lane: Lane | None = None
+        self._retry_at, self._failures = 0.0, 0
+        self._lock = threading.Lock()
+
+    def load(self, ns: Namespace, hashes: list[BlockHash]) -> list[torch.Tensor | None] | None:
+        """As `Lane.load`; None when the lane cannot carry it now (use gRPC)."""
+        return self._run(ns, lambda lane: lane.load(ns, hashes))
+
+    def store(self, ns: Namespace, hashes: list[BlockHash], payloads: list[torch.Tensor]) -> int | None:
+        """As `Lane.store`; None when the lane cannot carry it now (use gRPC)."""
+        return self._run(ns, lambda lane: lane.store(ns, hashes, payloads))
+
+    def _run(self, ns: Namespace, call):
+        if object_size(ns) > self._args[4]:  # one block past the lane's batch: only gRPC takes it
+            return None
+        with self._lock:
+            if self._lane is None and time.monotonic() >= self._retry_at:
+                self._connect()
+            if self._lane is None:
+                return None
+            try:
+                return call(self._lane)
+            except Exception as e:  # any failure leaves the connection out of step: drop it
+                self._lane.close()
+                self._lane = None
+                if not isinstance(e, grpc.RpcError):
+                    e = BellError(grpc.StatusCode.UNAVAILABLE, f"data lane: {type(e).__name__}: {e}")
+                broke = e.code() == grpc.StatusCode.UNAVAILABLE
+                self._retry_at = time.monotonic() + (self.retry_s if broke else 0.0)
+                raise e from None
+
+    def _connect(self) -> None:
+        try:
+            self._lane = Lane(*self._args)
+            self._failures = 0
+        except (OSError, grpc.RpcError) as e:  # tried again later, less often each time (up to 5 minutes)
+            self._failures += 1
+            self._retry_at = time.monotonic() + min(300.0, self.retry_s * 2 ** (self._failures - 1))
+            log.info("tierkv data lane %s:%s unusable (%s); streaming through gRPC", *self._args[:2], e)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._lane is not None:
+                self._lane.close()
+                self._lane = None
+            self._retry_at = float("inf")

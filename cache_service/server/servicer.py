@@ -1,0 +1,297 @@
+"""The daemon's gRPC servicer: the TierKV API (proto/tierkv.proto) over one
+`TieredStore`, plus the settings that bound what a request may ask for.
+
+Every method runs through `cache_service.server.rpc.rpc` (auth, status codes,
+metrics). Keys the store sees are `tenant_keys(tenant, hashes)` and object
+headers carry ``ns.with_tenant(tenant)``, so tenants are disjoint. Nothing
+is stored until a request has been checked in full: a Store stream that
+ends early, overruns its declared size or is cancelled stores nothing.
+`cache_service/server/daemon.py` builds the grpc server around this servicer.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import grpc
+import torch
+
+from cache_service.server.auth import Authenticator, tenant_keys
+from cache_service.protocol.streaming import (WIRE_VERSION, FramingError, ObjectReader, StoreMessage, admit, load_messages,
+                                   object_pieces)
+from cache_service.blocks.keys import Namespace, prefix_hashes
+from cache_service.server.metrics import Metrics
+from cache_service.blocks.objects import adopt_rows, object_size
+from cache_service.server.rpc import rpc
+from cache_service.sessions.manifests import SessionStore
+from cache_service.protocol.segment import DATA_OFFSET, Attachments, host_id
+from cache_service.store.tiered_store import TieredStore
+from cache_service.protocol.messages import (RequestError, hashes_from_pb, invalid, ns_from_pb, require_ns, session_from_pb,
+                                session_to_pb, stats_to_pb)
+from proto import tierkv_pb2 as pb
+from proto import tierkv_pb2_grpc as pb_grpc
+from tiers.types import BlockHash, ConfigError, CorruptBlockError
+
+VERSION = WIRE_VERSION
+MiB = 1 << 20
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """How the daemon listens and what one request may ask for."""
+
+    listen: str = "127.0.0.1:7600"
+    metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
+    metrics_host: str = "127.0.0.1"
+    token_file: str | None = None  # None: auth off (see cache_service/server/auth.py)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    sessions_dir: str | None = None  # manifests under <dir>/sessions
+    shm_dir: str = "/dev/shm"
+    max_message_bytes: int = 8 * MiB
+    chunk_bytes: int = 1 * MiB  # payload bytes per streamed message
+    max_request_bytes: int = 1024 * MiB  # payload bytes per Store / StoreShm
+    max_blocks: int = 65536  # hashes per request
+    load_batch_bytes: int = 64 * MiB  # Load reads (and holds) this much at a time; a lane call carries at most this
+    lane_port: int | None = 0  # the data lane (cache_service/server/data_path.py): 0 any free port, None off; never with TLS
+    workers: int = 16
+    max_concurrent_rpcs: int = 256
+    grace_s: float = 10.0  # SIGTERM: in-flight calls get this long to finish
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"listen address {self.listen!r} must be HOST:PORT")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        for name in ("max_message_bytes", "chunk_bytes", "max_request_bytes", "max_blocks", "load_batch_bytes",
+                     "workers", "max_concurrent_rpcs"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.chunk_bytes + 64 * 1024 > self.max_message_bytes:
+            raise ConfigError(f"chunk_bytes {self.chunk_bytes} leaves no room under max_message_bytes "
+                              f"{self.max_message_bytes}")
+
+
+class TierKVServicer(pb_grpc.TierKVServicer):
+    """Implements tierkv.v1.TierKV; thread-safe (the store and the maps are)."""
+
+    def __init__(self, store: TieredStore, settings: ServerSettings, auth: Authenticator, metrics: Metrics,
+                 attachments: Attachments, sessions: SessionStore) -> None:
+        self.store, self.s, self.auth, self.metrics = store, settings, auth, metrics
+        self.attachments, self.sessions = attachments, sessions
+        self.host_id = host_id()
+        self.started = time.monotonic()
+        self.in_flight = 0  # RPCs being handled (rpc.py counts them); a drain waits for these
+        self.in_flight_lock = threading.Lock()
+        self.doorbell = ""  # the same-host socket for the shared-memory calls, once the daemon opened one
+        self.lane_port = 0  # the streamed data lane's TCP port, once the daemon opened one
+
+    # ------------------------------------------------------------ helpers
+    def _blocks(self, msg, tenant: str | None, need_ns: bool = True) -> tuple[Namespace | None, list[BlockHash]]:
+        """(tenant-salted namespace, store keys) of a request with ns + hashes."""
+        ns = require_ns(msg) if need_ns else (ns_from_pb(msg.ns) if msg.HasField("ns") else None)
+        hashes = hashes_from_pb(msg.hashes, self.s.max_blocks)
+        if ns is not None:
+            ns = ns.with_tenant(self.auth.resolve(tenant, ns.tenant_salt))
+            if ns.payload_bytes > self.s.max_request_bytes:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"one block of this namespace is {ns.payload_bytes} bytes; "
+                                   f"the daemon's limit is {self.s.max_request_bytes} per request")
+        return ns, tenant_keys(tenant, hashes)
+
+    def _check_request_bytes(self, n: int, ns: Namespace) -> int:
+        total = n * ns.payload_bytes
+        if total > self.s.max_request_bytes:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{n} blocks of {ns.payload_bytes} bytes exceed the daemon's "
+                               f"{self.s.max_request_bytes}-byte limit per request; split the batch")
+        return total
+
+    def _session_keys(self, msg, tenant: str | None, token_ids) -> list[BlockHash]:
+        """Store keys of the full blocks of `token_ids`, hashed as the client did
+        (under the namespace it sent)."""
+        ns = require_ns(msg)
+        self.auth.resolve(tenant, ns.tenant_salt)
+        try:
+            return tenant_keys(tenant, prefix_hashes(ns, list(token_ids)))
+        except ValueError as e:
+            raise invalid(f"session token ids: {e}") from None
+
+    # ------------------------------------------------------------ blocks
+    @rpc
+    def Hello(self, request, context, tenant):
+        s = self.s
+        return pb.HelloReply(version=VERSION, host_id=self.host_id, auth_required=self.auth.enabled,
+                             tenant=tenant or "", max_message_bytes=s.max_message_bytes, chunk_bytes=s.chunk_bytes,
+                             max_request_bytes=s.max_request_bytes, max_blocks=s.max_blocks,
+                             lane_port=self.lane_port, lane_batch_bytes=s.load_batch_bytes)
+
+    @rpc
+    def Lookup(self, request, context, tenant):
+        _, keys = self._blocks(request, tenant, need_ns=False)
+        return pb.LookupReply(blocks=self.store.lookup(keys))
+
+    @rpc
+    def Load(self, request, context, tenant):
+        # whole objects, headed for the client's (namespace, hash): it checks them (cache_service/protocol/streaming.py)
+        ns, keys = self._blocks(request, tenant)
+        yield from load_messages(self._loaded(request, ns, keys, tenant), ns.payload_bytes, self.s.chunk_bytes)
+
+    def _loaded(self, request, ns: Namespace, keys: list[BlockHash], tenant: str | None) -> Iterator[list | None]:
+        """Load's object pieces (framing.object_pieces) per block, None for a
+        miss, read a few messages ahead of the socket: the first message leaves
+        without waiting for the whole request to be read."""
+        sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, self.s.max_blocks)
+        S = object_size(ns)
+        group = max(1, min(self.s.load_batch_bytes, 4 * self.s.chunk_bytes) // S)
+        for start in range(0, len(keys), group):
+            part = range(start, min(len(keys), start + group))
+            buf = torch.empty(len(part) * S, dtype=torch.uint8)  # a few MiB: the allocator recycles it
+            hits = self.store.load_into(ns, [keys[i] for i in part], buf.view(len(part), S).unbind(0))
+            objs = memoryview(buf.numpy())
+            pieces = [object_pieces(objs[j * S: (j + 1) * S], ns, keys[i], sent_ns, sent[i]) if hit else None
+                      for j, (i, hit) in enumerate(zip(part, hits))]
+            yield from pieces
+            self.metrics.moved(tenant, "load", ns.payload_bytes * sum(p is not None for p in pieces))
+
+    @rpc
+    def Store(self, request_iterator, context, tenant):
+        first = next(request_iterator, None)
+        if first is None:
+            raise invalid("empty Store stream: the first message must carry ns and hashes")
+        if first.error:
+            raise invalid(f"malformed Store message: {first.error}")
+        ns, keys = self._blocks(first.head, tenant)
+        total = self._check_request_bytes(len(keys), ns)
+        objs, reader = self._receive_objects(first, request_iterator, ns, keys)
+        if len(objs) < len(keys) and not context.is_active():
+            raise RequestError(grpc.StatusCode.CANCELLED, "the client went away mid-stream; nothing stored")
+        if len(objs) < len(keys):
+            raise invalid(f"Store sent {reader.received} bytes; {len(keys)} block objects of {reader.size} "
+                          f"bytes need {len(keys) * reader.size}")
+        stored = self.store.store_objects(ns, keys, objs, verify=False, owned=True)  # checked on arrival
+        self.metrics.moved(tenant, "store", total)
+        return pb.StoreReply(stored=stored)
+
+    def _receive_objects(self, first: StoreMessage, rest, ns: Namespace,
+                         keys: list[BlockHash]) -> tuple[list[torch.Tensor], ObjectReader]:
+        """Store's objects, each checked in full as it arrives (framing.admit),
+        mostly left in the received messages; stops early if the stream does."""
+        sent_ns, sent = ns_from_pb(first.head.ns), hashes_from_pb(first.head.hashes, self.s.max_blocks)
+        reader, objs = ObjectReader(object_size(ns)), []
+        reader.expect(len(keys))
+        for msg in itertools.chain([first], rest):
+            if msg.error:
+                raise invalid(f"malformed Store message: {msg.error}")
+            if msg is not first and (msg.head.HasField("ns") or len(msg.head.hashes)):
+                raise invalid("ns and hashes belong in the first Store message only")
+            try:
+                for obj in reader.feed(msg.data):
+                    objs.append(admit(obj, sent_ns, sent[len(objs)], ns, keys[len(objs)]))
+            except FramingError:
+                raise invalid(f"Store sent more than {len(keys)} block objects of {reader.size} bytes") from None
+            except CorruptBlockError as e:
+                raise invalid(f"Store: block {len(objs)} is not a valid object for its hash ({e})") from None
+        return objs, reader
+
+    # ------------------------------------------------------------ shared memory
+    @rpc
+    def Attach(self, request, context, tenant):
+        aid, nbytes = self.attachments.attach(request.name, request.nonce, tenant)
+        return pb.AttachReply(attachment=aid, data_offset=DATA_OFFSET, size=nbytes, doorbell=self.doorbell)
+
+    @rpc
+    def Detach(self, request, context, tenant):
+        self.attachments.detach(request.attachment, tenant)
+        return pb.DetachReply()
+
+    @rpc
+    def LoadShm(self, request, context, tenant):
+        ns, keys = self._blocks(request, tenant)
+        S = object_size(ns)
+        region = self.attachments.get(request.attachment, tenant).region(request.offset, len(keys) * S)
+        # one copy: pool slot -> the client's object slot i, verified there
+        hits = self.store.load_into(ns, keys, region.view(len(keys), S))
+        sizes = [ns.payload_bytes if hit else 0 for hit in hits]
+        self.metrics.moved(tenant, "load", sum(sizes))
+        return pb.LoadShmReply(sizes=sizes)
+
+    @rpc
+    def StoreShm(self, request, context, tenant):
+        ns, keys = self._blocks(request, tenant)
+        S, total = object_size(ns), self._check_request_bytes(len(keys), ns)
+        region = self.attachments.get(request.attachment, tenant).region(request.offset, len(keys) * S)
+        sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, self.s.max_blocks)
+        rows = region.view(len(keys), S)
+        try:  # the client encoded the objects in place: check them in full, then one copy into the pool
+            adopt_rows(rows, sent_ns, sent, ns, keys)
+        except CorruptBlockError as e:
+            raise invalid(f"StoreShm: bad block object in shared memory ({e})") from None
+        stored = self.store.store_objects(ns, keys, rows.unbind(0), verify=False)
+        self.metrics.moved(tenant, "store", total)
+        return pb.StoreReply(stored=stored)
+
+    # ------------------------------------------------------------ admin
+    @rpc
+    def Delete(self, request, context, tenant):
+        _, keys = self._blocks(request, tenant, need_ns=False)
+        return pb.DeleteReply(removed=self.store.delete(keys))
+
+    @rpc
+    def Pin(self, request, context, tenant):
+        _, keys = self._blocks(request, tenant, need_ns=False)
+        self.store.pin(keys, request.ttl_s if request.ttl_s > 0 else None)
+        return pb.PinReply()
+
+    @rpc
+    def Unpin(self, request, context, tenant):
+        _, keys = self._blocks(request, tenant, need_ns=False)
+        self.store.unpin(keys)
+        return pb.PinReply()
+
+    @rpc
+    def Stats(self, request, context, tenant):
+        return stats_to_pb(self.store.stats(), self.daemon_stats())
+
+    def daemon_stats(self) -> dict[str, int]:
+        count, nbytes = self.attachments.counts()
+        return {"uptime_seconds": int(time.monotonic() - self.started), "shm_attachments": count,
+                "shm_attached_bytes": nbytes, "rpcs_in_flight": self.in_flight}
+
+    # ------------------------------------------------------------ sessions
+    @rpc
+    def SaveSession(self, request, context, tenant):
+        s = session_from_pb(request.session)
+        s.tenant = self.auth.resolve(tenant, s.tenant)
+        keys = self._session_keys(request, tenant, s.token_ids) if request.pin else []
+        self.sessions.put(s)
+        if keys:
+            self.store.pin(keys, request.pin_ttl_s if request.pin_ttl_s > 0 else None)
+        return pb.SessionReply(session=session_to_pb(s), found=True)
+
+    @rpc
+    def ResumeSession(self, request, context, tenant):
+        s = self.sessions.get(request.session_id, self.auth.resolve(tenant, request.tenant))
+        if s is None:
+            return pb.SessionReply(found=False)
+        cached = self.store.lookup(self._session_keys(request, tenant, s.token_ids)) if request.HasField("ns") else 0
+        return pb.SessionReply(session=session_to_pb(s), found=True, cached_blocks=cached)
+
+    @rpc
+    def ListSessions(self, request, context, tenant):
+        return pb.ListSessionsReply(session_ids=self.sessions.list(self.auth.resolve(tenant, request.tenant)))
+
+    @rpc
+    def DeleteSession(self, request, context, tenant):
+        owner = self.auth.resolve(tenant, request.tenant)
+        s = self.sessions.get(request.session_id, owner) if request.HasField("ns") else None
+        if s is not None:
+            self.store.unpin(self._session_keys(request, tenant, s.token_ids))
+        return pb.DeleteSessionReply(deleted=self.sessions.delete(request.session_id, owner))

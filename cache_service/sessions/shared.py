@@ -1,0 +1,163 @@
+"""Session manifests every node sees (the single-node ones and the
+`Manifests` API: cache_service/sessions/manifests.py).
+
+- `S3Manifests`: one object per session in the deployment's bucket, under
+  ``<s3 prefix>-sessions/<tenant>/`` (outside the block prefix, so a
+  lifecycle rule on blocks never expires a session).
+- `SharedSessionStore`: the Redis directory in front of one of those. The
+  durable copy is the source of truth and is written first; Redis holds a copy
+  of each manifest, each tenant's index and the pins, so any node reads and
+  lists sessions in one round trip. Redis down or emptied: reads fall back to
+  the durable copy (and refill Redis), writes that missed Redis are replayed
+  once it answers again.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from cache_service.sessions.manifests import Manifests, Session, SessionError, check_id, check_ids
+
+if TYPE_CHECKING:
+    from cache_service.config import S3Config
+    from cache_service.directory.redis_directory import RedisDirectory
+
+
+class S3Manifests:
+    """Manifests as objects in the deployment's S3 bucket: durable and seen
+    by every node. Raises SessionError when S3 cannot be used."""
+
+    def __init__(self, cfg: "S3Config", prefix: str | None = None) -> None:
+        import boto3  # lazy: only deployments with S3 pay for it
+        from botocore.config import Config as BotoConfig
+
+        self.bucket, self.prefix = cfg.bucket, prefix or f"{cfg.prefix}-sessions"
+        boto = BotoConfig(region_name=cfg.region, s3={"addressing_style": cfg.addressing_style},
+                          connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
+                          retries={"mode": "standard", "total_max_attempts": cfg.retries + 1})
+        self._client = boto3.session.Session().client(
+            "s3", endpoint_url=cfg.endpoint or None, aws_access_key_id=cfg.access_key or None,
+            aws_secret_access_key=cfg.secret_key or None, config=boto)
+
+    def _key(self, tenant: str, session_id: str = "") -> str:
+        t = check_id(tenant, "tenant") if tenant else "_"
+        return f"{self.prefix}/{t}/" + (f"{check_id(session_id)}.json" if session_id else "")
+
+    def _call(self, what: str, fn, *missing: str):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn()
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in missing:
+                return None
+            raise SessionError(f"s3 manifests: {what} failed: {e}") from None
+        except BotoCoreError as e:
+            raise SessionError(f"s3 manifests: {what} failed: {e}") from None
+
+    def get(self, session_id: str, tenant: str = "") -> Session | None:
+        key = self._key(tenant, session_id)
+        resp = self._call(f"get {key}", lambda: self._client.get_object(Bucket=self.bucket, Key=key),
+                          "NoSuchKey", "404")
+        return None if resp is None else Session.from_json(resp["Body"].read(), f"s3://{self.bucket}/{key}")
+
+    def put(self, s: Session) -> None:
+        key = self._key(s.tenant, s.session_id)
+        s.updated_s = time.time()
+        self._call(f"put {key}", lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=s.to_json()))
+
+    def list(self, tenant: str = "") -> list[str]:
+        prefix = self._key(tenant)
+
+        def ids() -> list[str]:
+            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            keys = (o["Key"] for p in pages for o in p.get("Contents", ()))
+            return [k[len(prefix):-len(".json")] for k in keys if k.endswith(".json")]
+
+        return sorted(self._call(f"list {prefix}", ids))
+
+    def delete(self, session_id: str, tenant: str = "") -> bool:
+        key = self._key(tenant, session_id)
+        head = self._call(f"head {key}", lambda: self._client.head_object(Bucket=self.bucket, Key=key),
+                          "404", "NoSuchKey")
+        self._call(f"delete {key}", lambda: self._client.delete_object(Bucket=self.bucket, Key=key))
+        return head is not None
+
+
+class SharedSessionStore:
+    """Manifests every node sees: the directory in front of `durable` (the
+    source of truth; see the module docstring for the read and write paths)."""
+
+    def __init__(self, directory: "RedisDirectory", durable: Manifests, owns_directory: bool = False) -> None:
+        self.directory, self.durable, self._owns = directory, durable, owns_directory
+        self._dirty: dict[tuple[str, str], None] = {}  # (tenant, id) Redis may hold stale
+        self._lock = threading.Lock()  # guards _dirty
+
+    def get(self, session_id: str, tenant: str = "") -> Session | None:
+        check_ids(session_id, tenant)
+        self._repair()
+        data = self.directory.get_manifest(tenant, session_id)
+        if data is not None:
+            return Session.from_json(data, f"redis {tenant or '_'}/{session_id}")
+        s = self.durable.get(session_id, tenant)
+        if s is not None and self.directory.available:  # Redis lost it (restart): refill
+            self._to_redis(s)
+        return s
+
+    def put(self, s: Session) -> None:
+        """Durable copy first (SessionError if that fails), then Redis."""
+        check_ids(s.session_id, s.tenant)
+        self._repair()
+        self.durable.put(s)
+        self._to_redis(s)
+
+    def _to_redis(self, s: Session) -> None:
+        if not self.directory.put_manifest(s.tenant, s.session_id, s.to_json(), s.pinned_until):
+            with self._lock:
+                self._dirty[(s.tenant, s.session_id)] = None
+
+    def list(self, tenant: str = "") -> list[str]:
+        check_ids("x", tenant)
+        self._repair()
+        return sorted(set(self.directory.list_manifests(tenant) or ()) | set(self.durable.list(tenant)))
+
+    def delete(self, session_id: str, tenant: str = "") -> bool:
+        check_ids(session_id, tenant)
+        self._repair()
+        existed = self.durable.delete(session_id, tenant)
+        gone = self.directory.delete_manifest(tenant, session_id)
+        if gone is None:
+            with self._lock:
+                self._dirty[(tenant, session_id)] = None
+        return existed or bool(gone)
+
+    def pins(self, tenant: str = "") -> dict[str, float]:
+        """Pinned sessions of a tenant: id -> until (epoch s)."""
+        check_ids("x", tenant)
+        got = self.directory.pins(tenant)
+        if got is None:  # Redis unusable: read the manifests
+            now = time.time()
+            got = {sid: s.pinned_until for sid in self.durable.list(tenant)
+                   if (s := self.durable.get(sid, tenant)) is not None and s.pinned_until > now}
+        return got
+
+    def close(self) -> None:
+        if self._owns:
+            self.directory.close()
+
+    def _repair(self) -> None:
+        """Replay writes that missed Redis (in order) once it answers: the
+        durable copy as it is now, or a delete where there is none."""
+        while self._dirty and self.directory.available:
+            with self._lock:
+                if not self._dirty:
+                    return
+                tenant, sid = next(iter(self._dirty))
+            s = self.durable.get(sid, tenant)
+            ok = (self.directory.put_manifest(tenant, sid, s.to_json(), s.pinned_until) if s is not None
+                  else self.directory.delete_manifest(tenant, sid) is not None)
+            if not ok:
+                return
+            with self._lock:
+                self._dirty.pop((tenant, sid), None)

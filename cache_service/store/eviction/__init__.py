@@ -1,0 +1,55 @@
+"""Eviction policies behind one interface, built by name from config.
+
+The registry maps a policy name to ``"module:Class"``; the module is
+imported the first time that policy is asked for, so adding a policy is one
+line here and one file beside this one.
+"""
+from __future__ import annotations
+
+import importlib
+
+from cache_service.store.eviction.base import EvictionPolicy, PinnedFn
+from tiers.types import ConfigError
+
+_REGISTRY: dict[str, str] = {
+    "lru": "cache_service.store.eviction.lru:LRUPolicy",
+    "lfu": "cache_service.store.eviction.lfu:LFUPolicy",
+    "s3fifo": "cache_service.store.eviction.s3fifo:S3FIFOPolicy",
+    "arc": "cache_service.store.eviction.arc:ARCPolicy",
+}
+
+POLICIES: tuple[str, ...] = tuple(_REGISTRY)
+"""Valid policy names, in registry order."""
+
+_loaded: dict[str, type[EvictionPolicy]] = {}
+
+
+def policy_class(name: str, *, key: str = "eviction_policy") -> type[EvictionPolicy]:
+    """The policy class registered as ``name`` (imported on first use).
+
+    ``key`` is the config key the name came from; it is named in the
+    ConfigError raised for an unknown name.
+    """
+    cls = _loaded.get(name)
+    if cls is not None:
+        return cls
+    target = _REGISTRY.get(name) if isinstance(name, str) else None
+    if target is None:
+        raise ConfigError(f"{key}={name!r} is not a known eviction policy; valid choices: {', '.join(POLICIES)}")
+    module_name, class_name = target.split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    assert issubclass(cls, EvictionPolicy) and cls.name == name, f"registry entry {name!r} -> {target} is wrong"
+    _loaded[name] = cls
+    return cls
+
+
+def make_policy(name: str, capacity_blocks: int, *, key: str = "eviction_policy") -> EvictionPolicy:
+    """A new ``name`` policy for a tier holding ``capacity_blocks`` blocks.
+
+    Raises ConfigError naming ``key`` and the valid choices for an unknown
+    name, and for a capacity that is not a positive int.
+    """
+    return policy_class(name, key=key)(capacity_blocks)
+
+
+__all__ = ["EvictionPolicy", "PinnedFn", "POLICIES", "make_policy", "policy_class"]

@@ -1,0 +1,160 @@
+"""Direct puts: block objects another process writes straight into the top
+tier's slots (mixed into `TieredStore`, whose tiers, policies, locks and
+placement helpers it uses).
+
+The daemon's host pool can live in shared memory (`SlotPool(shared=True)`)
+that a same-host client maps (cache_service/server/pool.py). A store then costs one
+copy instead of two: `reserve` makes room (evicting as a put would) and
+hands out free slots that belong to nobody; the client encodes each block's
+object into its slot (each payload copied and hashed in one pass, while in
+cache); `commit` checks every header (a slot never written, or written for
+another block, fails the commit), re-heads the objects for the store's keys
+when they differ from what the client named (tenants), and publishes them:
+from then on they are blocks like any other (policy, directory,
+write-through copies below). The client does the copy and the hash, the
+daemon only checks headers, so neither reads the bytes twice and the two
+do not compete for memory bandwidth. Payload checksums are the client's,
+as on every store path; a pool others write is verified on every load
+(`verify_payload`), so a payload that does not match its checksum is a
+miss, never a wrong answer.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from cache_service.blocks.keys import Namespace
+from cache_service.blocks.objects import HEADER_SIZE, claimed_in_heads, decode, object_size, write_headers
+from cache_service.store.writer import Item
+from tiers.types import BlockHash, CapacityError, CorruptBlockError
+
+HELD, NO_ROOM = -1, -2  # `reserve`'s answers for a block that gets no slot
+
+
+class DirectPuts:
+    """`reserve` / `commit` / `unreserve` on a shared top tier (module docstring)."""
+
+    _spares_out = 0  # spare slots handed out and not yet committed or handed back (under _meta)
+
+    def shared_pool(self):
+        """The top tier when other processes may write its slots, else None."""
+        top = self.tiers[0]
+        return top if getattr(top, "shared", False) else None
+
+    def reserve(self, ns: Namespace, keys: Sequence[BlockHash]) -> list[int]:
+        """A slot of the shared top tier per key to write its object into, or
+        HELD (the tier has it: its recency is refreshed) or NO_ROOM (full of
+        pinned blocks, the object cannot fit a slot, or the key came earlier
+        in `keys`: store it the usual way). Slots not committed must be
+        handed back (`unreserve`)."""
+        pool, size = self.shared_pool(), object_size(ns)
+        assert pool is not None, "reserve needs a shared top tier"
+        with self._locks[0]:
+            held = pool.contains_many(keys)
+            todo = [k for k, ok in zip(keys, held) if not ok]
+            slots, victims = self._make_slots(pool, size, len(set(todo)), lambda: pool.reserve(todo, size))
+        self._victims_down(pool, victims, slots)
+        self._touch(0, [k for k, ok in zip(keys, held) if ok])
+        got = iter(slots or [None] * len(todo))
+        out = []
+        for ok in held:
+            slot = None if ok else next(got)
+            out.append(HELD if ok else NO_ROOM if slot is None else slot)
+        return out
+
+    def reserve_spare(self, ns: Namespace, n: int) -> list[int]:
+        """Up to n slots of the shared top tier, made room for as `reserve`
+        does, for blocks a client will name at `commit` (its next store starts
+        filling them without a round trip). At most 1/8 of the tier is spare
+        at a time, over all clients; hand back (`spares_done`) any not
+        committed."""
+        pool, size = self.shared_pool(), object_size(ns)
+        with self._meta:
+            n = min(n, pool.num_slots // 8 - self._spares_out)
+            self._spares_out += max(0, n)
+        if n <= 0:
+            return []
+        with self._locks[0]:
+            slots, victims = self._make_slots(pool, size, n, lambda: pool.reserve_free(n, size))
+        self.spares_done(n - len(slots or []))
+        try:
+            self._victims_down(pool, victims, slots)
+        except BaseException:
+            self.spares_done(len(slots or []))
+            raise
+        return slots or []
+
+    def spares_done(self, n: int) -> None:
+        """n spare slots were committed or handed back."""
+        with self._meta:
+            self._spares_out -= n
+
+    def _make_slots(self, pool, size: int, n: int, take) -> tuple[list | None, list[Item]]:
+        """take() after evicting room for n objects of `size` (caller holds the
+        top tier's lock): (its slots, or None when the objects cannot fit a
+        slot; the victims, for `_victims_down` once the lock is released)."""
+        victims: list[Item] = []
+        try:
+            self._make_room(0, n * pool.footprint(size), victims)
+        except CapacityError:
+            return None, victims
+        return take(), victims
+
+    def _victims_down(self, pool, victims: list[Item], slots: list | None) -> None:
+        """`_evicted`; if that fails, the slots just taken go back first, so none is lost."""
+        try:
+            self._evicted(0, victims)
+        except BaseException:
+            pool.unreserve([s for s in slots or [] if s is not None])
+            raise
+
+    def commit(self, sent_ns: Namespace, sent: Sequence[BlockHash], ns: Namespace,
+               keys: Sequence[BlockHash], slots: Sequence[int]) -> int:
+        """Publish reserved `slots`, into which the client wrote the objects of
+        `sent` under `sent_ns`, as the blocks `keys` under `ns`. All or
+        nothing: an object that cannot fit a slot raises CapacityError, a
+        header that is not exactly its block's (a slot never written, or
+        written for another block) CorruptBlockError, and every slot goes
+        back. Returns how many blocks were new to the top tier."""
+        pool, size = self.shared_pool(), object_size(ns)
+        assert pool is not None and len(sent) == len(keys) == len(slots)
+        try:
+            pool.footprint(size)
+            idx = torch.tensor(list(slots), dtype=torch.long)
+            claims = claimed_in_heads(pool.rows[:, :HEADER_SIZE].index_select(0, idx), sent_ns, sent)
+            bad = next((j for j, c in enumerate(claims) if c is None), None)
+            if bad is not None:  # decode names what is wrong
+                decode(pool.rows[slots[bad], :size], sent_ns, sent[bad], verify_payload=False)
+                raise CorruptBlockError("bad object header")  # pragma: no cover (decode raised)
+            if (sent_ns, list(sent)) != (ns, list(keys)):  # a tenant's keys: the payloads stay, headers change
+                write_headers(pool.rows, ns, keys, claims, at=slots)
+            # copies for write-through tiers, taken while the slots are still only ours (once published,
+            # a delete could free one and another put reuse it before the copy)
+            through = [i for i in range(1, len(self.tiers)) if self.modes[i] == "through"]
+            copies = {k: pool.rows[s, :size].clone() for k, s in zip(keys, slots)} if through else {}
+        except BaseException:
+            pool.unreserve(slots)
+            raise
+        with self._locks[0]:
+            done = pool.publish(keys, slots, size)
+            new = [k for k, ok in zip(keys, done) if ok]
+            for k in new:
+                self.policies[0].insert(k)
+        self._publish(0, new)
+        for i in through:
+            self._submit(i, [(k, copies[k]) for k in new if not self._below_has(i, k)])
+        return len(new)
+
+    def spare_limit(self, ns: Namespace) -> int:
+        """How many spare slots (`reserve_spare`) one client may hold: 1/16 of the shared top tier."""
+        pool = self.shared_pool()
+        try:
+            return max(1, pool.capacity_bytes // pool.footprint(object_size(ns)) // 16)
+        except CapacityError:
+            return 0
+
+    def unreserve(self, slots: Sequence[int]) -> None:
+        """Hand back reserved slots that will not be committed."""
+        if slots:
+            self.shared_pool().unreserve(slots)

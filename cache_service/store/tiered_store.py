@@ -1,0 +1,400 @@
+"""TieredStore: block lookup, load and store over an ordered list of tiers.
+
+Tiers are ordered top (fastest) to bottom. ``store()`` puts objects into the
+top tier synchronously and returns; every lower tier is written by its own
+background writer (write-through tiers get every new block, write-back tiers
+get blocks when they are evicted from the tier above). ``load()`` reads each
+block from the highest tier that has it, verifies it, and promotes a block
+into the tiers above on its ``promote_after_hits``-th hit below (default 2:
+a one-shot read from local disk copies nothing, as the engine keeps what it
+loaded; a hit in S3 is copied up at once), in the background, so a load
+returns as soon as its blocks are read; a promotion that finds its queue
+full is dropped. Eviction is the store's job: each tier has a policy, pinned
+blocks are never victims, and a victim moves to the next tier down
+(evictions are counted even where there is no tier below).
+
+Copy-free variants for callers with their own buffers (the daemon's shared
+memory): ``load_into`` copies a slot-pool hit straight into the caller's
+object buffer and verifies it there; ``store_objects`` copies objects
+already encoded (checked in full when untrusted) once into the top tier.
+
+Backpressure: with ``queue_full = "wait"`` (default) a full writer queue
+makes the caller wait, so memory stays bounded and no lower copy is lost;
+with ``"skip"`` the lower copy is dropped and counted (``dropped``) and the
+caller never waits on slow storage.
+
+Placement (puts that evict, victims sent down, writers, promotion):
+`cache_service/store/placement.py`; objects another process writes into a shared top
+tier: `cache_service/store/shared_slots.py`. Locks: one per tier (its policy and
+membership), taken top to bottom; objects handed to writers stay in an
+in-flight map, visible to ``lookup`` and ``load`` while they move down.
+
+Directory (optional, ``cache_service/directory/redis_directory.py``): blocks landing in a tier other
+nodes can see (this node's disk, S3) are published, evicted or deleted ones
+unpublished, both queued off the caller's path. A lookup asks it only about
+the blocks its own tiers miss, in one batch; a block the directory places in
+S3 counts as held, and ``load`` then reads it from S3 (the S3 tier asks S3
+for any block) and promotes it like any hit.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from functools import partial
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from cache_service.config import StoreConfig
+from cache_service.store.shared_slots import DirectPuts
+from cache_service.store.eviction.base import EvictionPolicy
+from cache_service.blocks.keys import Namespace
+from cache_service.store.placement import BlockMoves
+from cache_service.blocks.objects import (HEADER_SIZE, checksums, claimed_checksum, claimed_checksums, decode, encode,
+                                   encode_into, object_size)
+from cache_service.store.writer import Item, TierWriter
+from tiers.base import Tier
+from tiers.types import BlockHash, CorruptBlockError, TierKVError
+
+if TYPE_CHECKING:
+    from cache_service.directory.redis_directory import RedisDirectory
+
+log = logging.getLogger("tierkv.store")
+_COUNTERS = ("hits", "misses", "evictions", "corrupt", "promoted", "demoted", "dropped", "bypassed", "deferred")
+
+
+class TieredStore(BlockMoves, DirectPuts):
+    """The block store; thread-safe. Build with `open_store(config)` or directly."""
+
+    def __init__(self, tiers: Sequence[Tier], policies: Sequence[EvictionPolicy],
+                 write_modes: Sequence[str], cfg: StoreConfig | None = None,
+                 directory: "RedisDirectory | None" = None) -> None:
+        assert tiers and len(tiers) == len(policies) == len(write_modes)
+        self.directory = directory
+        # directory location of each tier (None: not visible to other nodes)
+        self._where = [directory.location_of(t.name) if directory else None for t in tiers]
+        self._reads_s3 = directory is not None and any(t.name == "s3" for t in tiers)
+        self.cfg = cfg or StoreConfig()
+        self.tiers = list(tiers)
+        self.policies = list(policies)
+        self.modes = list(write_modes)
+        self._locks = [threading.RLock() for _ in tiers]
+        self._inflight: dict[BlockHash, list] = {}  # hash -> [object, pending writes]
+        self._meta = threading.Lock()  # guards _inflight, _pins, counters
+        self._pins: dict[BlockHash, float] = {}
+        self._below_hits: OrderedDict[BlockHash, int] = OrderedDict()  # lower-tier hits not yet promoted
+        self._deferred = [OrderedDict() for _ in tiers]  # per tier: blocks refused while it was down
+        self.counters = [dict.fromkeys(_COUNTERS, 0) for _ in tiers]
+        # writer 0 promotes hits into the top tier; writer i > 0 fills tier i
+        self._writers = [TierWriter(t.name if i else f"{t.name}-promote", self.cfg.queue_depth,
+                                    partial(self._persist, i), tick=partial(self._retry_deferred, i) if i else None)
+                         for i, t in enumerate(tiers)]
+        for pol, tier in zip(self.policies, self.tiers):
+            for h in tier.keys():  # oldest first, so recency survives a restart
+                pol.insert(h)
+        if directory is not None:
+            directory.on_register(self._announce)
+
+    # ------------------------------------------------------------------ queries
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        """Length of the longest prefix of `hashes` that some tier fully holds."""
+        held = [False] * len(hashes)
+        with self._meta:
+            for j, h in enumerate(hashes):
+                held[j] = h in self._inflight
+        for tier in self.tiers:
+            todo = [j for j, ok in enumerate(held) if not ok]
+            if not todo:
+                break
+            for j, ok in zip(todo, tier.contains_many([hashes[j] for j in todo])):
+                held[j] = ok
+        n = held.index(False) if False in held else len(held)
+        if n < len(held) and self._reads_s3:
+            n += self._directory_prefix(hashes[n:], held[n:])
+        return n
+
+    def _directory_prefix(self, hashes: Sequence[BlockHash], held: list[bool]) -> int:
+        """How many of `hashes` (past the first local miss) are held here or,
+        says the directory, in S3: one batched request for the misses."""
+        ask = [h for h, ok in zip(hashes, held) if not ok]
+        in_s3 = dict(zip(ask, self.directory.in_s3(ask)))
+        return next((k for k, (h, ok) in enumerate(zip(hashes, held)) if not ok and not in_s3[h]), len(hashes))
+
+    def load(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        """Verified payloads ([layers, 2, block_tokens, kv_heads, head_dim]) per
+        hash, None for a miss. A corrupt object is quarantined, counted and
+        looked for in the next tier down."""
+        return self._load_from(0, ns, hashes)
+
+    def load_into(self, ns: Namespace, hashes: Sequence[BlockHash],
+                  outs: Sequence[torch.Tensor] | torch.Tensor) -> list[bool]:
+        """Copy each block's object (header + payload) into `outs[j]` (1-D uint8
+        CPU tensor of object_size(ns) bytes; or `outs` is one ``[n, object_size]``
+        tensor, whose headers are then checked in one pass); True per hit.
+
+        The allocation-free load: a hit in a tier with ``get_into`` (the slot
+        pools) is one copy, from the slot straight into the caller's buffer,
+        then verified there. Blocks those tiers miss are read as by `load`
+        (promoted likewise) and written into their buffers. A miss leaves its
+        buffer's contents undefined.
+        """
+        assert len(hashes) == len(outs), "one buffer per hash"
+        size = object_size(ns)
+        rows = outs if isinstance(outs, torch.Tensor) else None
+        assert rows is None or tuple(rows.shape[1:]) == (size,), "rows of object_size bytes"
+        outs = list(rows.unbind(0)) if rows is not None else [o[:size] for o in outs]
+        got = [False] * len(hashes)
+        remaining = list(range(len(hashes)))
+        promote: list[tuple[int, BlockHash, torch.Tensor]] = []
+        i = 0
+        while remaining and i < len(self.tiers) and hasattr(self.tiers[i], "get_into"):
+            # a tier that wants payloads verified has them hashed as they are copied (still in cache)
+            digest = HEADER_SIZE if self.tiers[i].verify_payload else None
+            try:
+                hits = self.tiers[i].get_into([hashes[j] for j in remaining], [outs[j] for j in remaining], digest)
+            except TierKVError:  # an object larger than this namespace's: not what was asked for
+                break
+            missed = []
+            found = [j for j, hit in zip(remaining, hits) if hit is not None and hit is not False]
+            sums = dict(zip(remaining, hits)) if digest is not None else None
+            good = set(self._verified_in_place(i, ns, hashes, outs, found, rows, sums))
+            for j in remaining:
+                if j in good:
+                    got[j] = True
+                    if i and self._due(i, hashes[j]):  # the caller's buffer is reused: promote a copy
+                        promote.append((i, hashes[j], outs[j].clone()))
+                else:
+                    missed.append(j)
+            self._settle(i, hashes, remaining, missed)
+            remaining, i = missed, i + 1
+        self._promote(promote)
+        if remaining:
+            for j, p in zip(remaining, self._load_from(i, ns, [hashes[j] for j in remaining])):
+                if p is not None:
+                    encode_into(outs[j], ns, hashes[j], p)
+                    got[j] = True
+        return got
+
+    def _load_from(self, first: int, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        """`load` over tiers first.. (the ones above have been asked already)."""
+        out: list[torch.Tensor | None] = [None] * len(hashes)
+        remaining = list(range(len(hashes)))
+        promote: list[tuple[int, BlockHash, torch.Tensor]] = []
+        for i, tier in enumerate(self.tiers):
+            if not remaining:
+                break
+            if i < first:
+                continue
+            tier.note_namespace(ns.fingerprint())  # lets S3 find blocks other nodes wrote
+            objs = tier.get_many([hashes[j] for j in remaining])
+            missed = []
+            for j, obj in zip(remaining, objs):
+                if obj is not None and self._accept(i, ns, hashes[j], obj, out, j):
+                    if i and self._due(i, hashes[j]):
+                        promote.append((i, hashes[j], obj))
+                else:
+                    missed.append(j)
+            self._settle(i, hashes, remaining, missed)
+            remaining = missed
+        self._load_inflight(ns, hashes, remaining, out)
+        self._promote(promote)
+        return out
+
+    def _settle(self, i: int, hashes: Sequence[BlockHash], asked: list[int], missed: list[int]) -> None:
+        """Recency and hit/miss counters of tier i after one batched read."""
+        missed_set = set(missed)
+        self._touch(i, [hashes[j] for j in asked if j not in missed_set])
+        self._count(i, hits=len(asked) - len(missed), misses=len(missed))
+
+    def _accept(self, i: int, ns: Namespace, h: BlockHash, obj: torch.Tensor, out: list, j: int) -> bool:
+        out[j] = self._verified(i, ns, h, obj)
+        return out[j] is not None
+
+    def _verified_in_place(self, i: int, ns: Namespace, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],
+                           found: list[int], rows: torch.Tensor | None, sums: dict[int, int] | None) -> list[int]:
+        """Those of `found` (indexes into hashes / objs) whose objects, read from
+        tier i, are sound: the hot path's checks (each header compared with
+        the one (ns, h) must have, the payloads hashed unless `sums` has
+        their checksums already); the full decode (for its diagnosis) only
+        for the rest. `rows`: objs as one [n, object_size] tensor, if they are."""
+        if rows is not None and found:  # all rows in one pass (indexing rows would copy them)
+            every = claimed_checksums(rows, ns, hashes)
+            claims = [every[j] for j in found]
+        else:
+            claims = [claimed_checksum(objs[j], ns, hashes[j]) for j in found]
+        sound = [j for j, c in zip(found, claims) if c is not None]
+        if self.tiers[i].verify_payload:
+            sums = sums or dict(zip(sound, checksums([objs[j][HEADER_SIZE:] for j in sound])))
+            sound = [j for j, c in zip(found, claims) if c is not None and sums[j] == c]
+        ok = set(sound)
+        return [j for j in found if j in ok or self._verified(i, ns, hashes[j], objs[j]) is not None]
+
+    def _verified(self, i: int, ns: Namespace, h: BlockHash, obj: torch.Tensor) -> torch.Tensor | None:
+        """The payload of an object read from tier i; None (quarantined) if corrupt."""
+        try:
+            return decode(obj, ns, h, verify_payload=self.tiers[i].verify_payload)
+        except CorruptBlockError as e:
+            log.warning("tier %s: block %s is corrupt (%s); quarantined", self.tiers[i].name, h.hex(), e)
+            self._quarantine(i, h)
+            return None
+
+    def _load_inflight(self, ns: Namespace, hashes: Sequence[BlockHash], todo: list[int], out: list) -> None:
+        with self._meta:
+            found = [(j, self._inflight[hashes[j]][0]) for j in todo if hashes[j] in self._inflight]
+        for j, obj in found:
+            out[j] = decode(obj, ns, hashes[j], verify_payload=False)
+
+    # ------------------------------------------------------------------ writes
+    def store(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
+        """Encode and store blocks; returns once the top tier holds them (or,
+        when the top tier is full of pinned blocks, once they are queued below).
+        Returns how many blocks were new to the top tier."""
+        if len(hashes) != len(payloads):
+            raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
+        held = self.tiers[0].contains_many(hashes)
+        new = [(h, encode(ns, h, p)) for h, p, ok in zip(hashes, payloads, held) if not ok]
+        return self._store_new(hashes, held, new, owned=True)
+
+    def store_objects(self, ns: Namespace, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],
+                      verify: bool = True, owned: bool = False) -> int:
+        """Store already-encoded objects (1-D uint8 CPU views, e.g. in a client's
+        shared memory): one copy into the top tier. Returns as `store`.
+
+        With `verify` (untrusted bytes) every header and payload checksum is
+        checked first and a bad object raises CorruptBlockError, storing
+        nothing. Without `owned` the caller may reuse `objs` once this returns,
+        so what lower tiers write later is copied out first.
+        """
+        if len(hashes) != len(objs):
+            raise ValueError(f"{len(hashes)} hashes but {len(objs)} objects")
+        if verify:
+            for h, obj in zip(hashes, objs):
+                decode(obj, ns, h, verify_payload=True)
+        held = self.tiers[0].contains_many(hashes)
+        new = [(h, obj) for h, obj, ok in zip(hashes, objs, held) if not ok]
+        return self._store_new(hashes, held, new, owned)
+
+    def _store_new(self, hashes: Sequence[BlockHash], held: list[bool], new: list[Item], owned: bool) -> int:
+        self._touch(0, [h for h, ok in zip(hashes, held) if ok])
+        stored = self._put(0, new, owned)
+        through = [i for i in range(1, len(self.tiers)) if self.modes[i] == "through"]
+        if through and not owned:  # writers hold objects past this call
+            new = [(h, obj.clone()) for h, obj in new]
+        for i in through:
+            self._submit(i, [it for it in new if not self._below_has(i, it[0])])
+        return len(stored)
+
+    # ------------------------------------------------------------------ admin
+    def delete(self, hashes: Sequence[BlockHash]) -> int:
+        """Remove blocks from every tier; returns how many tier copies went."""
+        with self._meta:
+            for h in hashes:
+                self._inflight.pop(h, None)
+                self._pins.pop(h, None)
+        n = 0
+        for i, tier in enumerate(self.tiers):
+            with self._locks[i]:
+                n += tier.delete_many(hashes)
+                for h in hashes:
+                    self.policies[i].remove(h)
+            self._publish(i, hashes, present=False)
+        return n
+
+    def pin(self, hashes: Sequence[BlockHash], ttl_s: float | None = None) -> None:
+        """Keep blocks out of eviction until `ttl_s` passes (None: until unpin)."""
+        until = math.inf if ttl_s is None else time.monotonic() + ttl_s
+        with self._meta:
+            for h in hashes:
+                self._pins[h] = max(until, self._pins.get(h, 0.0))
+
+    def unpin(self, hashes: Sequence[BlockHash]) -> None:
+        with self._meta:
+            for h in hashes:
+                self._pins.pop(h, None)
+
+    def _is_pinned(self, h: BlockHash) -> bool:
+        with self._meta:
+            until = self._pins.get(h)
+            if until is not None and until <= time.monotonic():
+                del self._pins[h]
+                until = None
+        return until is not None
+
+    def _quarantine(self, i: int, h: BlockHash) -> None:
+        with self._locks[i]:
+            self.tiers[i].quarantine([h])
+            self.policies[i].remove(h)
+        self._publish(i, [h], present=False)
+        self._count(i, corrupt=1)
+
+    def _publish(self, i: int, hashes: Sequence[BlockHash], present: bool = True) -> None:
+        """Tell the directory (queued, no I/O here) that tier i now holds, or
+        no longer holds, these blocks; a no-op for tiers only this node sees."""
+        where = self._where[i]
+        if where is not None and hashes:
+            (self.directory.publish if present else self.directory.unpublish)(where, hashes)
+
+    def _announce(self, redis_was_empty: bool) -> None:
+        """Directory callback on (re)registration: re-publish this node's
+        disk; after Redis lost its data, the S3 blocks this node knows too."""
+        for i, tier in enumerate(self.tiers):
+            if self._where[i] is not None and (tier.name != "s3" or redis_was_empty):
+                self._publish(i, tier.keys())
+
+    def _touch(self, i: int, hashes: Sequence[BlockHash]) -> None:
+        if hashes:
+            with self._locks[i]:
+                for h in hashes:
+                    self.policies[i].touch(h)
+
+    def _count(self, i: int, **deltas: int) -> None:
+        with self._meta:
+            c = self.counters[i]
+            for k, v in deltas.items():
+                c[k] += v
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier: store counters (hits, misses, evictions, corrupt, ...)
+        merged with the tier's own (bytes, blocks, capacity) and queue depth.
+        Hits and misses are the store's (the tier also serves eviction reads)."""
+        out = {}
+        for i, tier in enumerate(self.tiers):
+            with self._meta:
+                c = dict(self.counters[i])
+            t = tier.stats.as_dict()
+            c["corrupt"] += t["corrupt"]  # the tier's own checksum failures plus ours
+            t.update(c)
+            t["queue_depth"] = self._writers[i].depth()
+            out[tier.name] = t
+        return out
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every background write and promotion has landed (True) or timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for w in self._writers:  # promotions first: their evictions feed the writers below
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not w.flush(left):
+                return False
+        if self.directory is not None:  # publishing is best effort: an outage is not a flush failure
+            self.directory.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return True
+
+    def close(self) -> None:
+        """Flush background writes (up to cfg.flush_timeout_s), then close tiers."""
+        if not self.flush(self.cfg.flush_timeout_s):
+            log.warning("close: background writes did not finish within %.0fs", self.cfg.flush_timeout_s)
+        for w in self._writers:
+            w.stop(1.0)
+        for tier in self.tiers:
+            tier.close()
+        if self.directory is not None:
+            self.directory.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

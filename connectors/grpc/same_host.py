@@ -1,0 +1,354 @@
+"""The same-host paths of a `GrpcClient`: its shared-memory segment, the
+daemon's doorbell and, when the daemon shares it, the daemon's host pool.
+
+- Loads: the daemon copies each hit's object into this client's segment
+  and verifies it there (LoadShm; cache_service/protocol/segment.py).
+- Stores: into the daemon's pool when it offers it (cache_service/server/pool.py):
+  Reserve slots, encode each block's object straight into its slot (the
+  payload copied and hashed in one pass), Commit; in chunks, so the daemon
+  checks one while this process fills the next. Else, or for blocks the pool has no
+  room for, encoded into the segment and checked and copied by the daemon
+  (StoreShm).
+
+Calls ring the doorbell when the daemon offered one (AttachReply.doorbell),
+else go through gRPC; the pool needs the doorbell (its memfd is passed over
+the Unix socket). A failure drops the segment, the doorbell and the pool
+mapping (the daemon then hands back any slots still reserved); a later call
+attaches anew.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections import deque
+from functools import lru_cache
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import grpc
+import torch
+
+from cache_service.protocol.socket_client import Bell, BellError
+from cache_service.blocks.keys import Namespace
+from cache_service.blocks.objects import HEADER_SIZE, encode_flats, encode_rows, object_size, payload_bytes
+from cache_service.protocol.segment import Segment
+from cache_service.protocol.messages import ns_to_pb, torch_dtype
+from proto import tierkv_pb2 as pb
+from tiers.types import BlockHash, TierKVError
+
+if TYPE_CHECKING:
+    from connectors.grpc.client import GrpcClient
+
+NO_ROOM = -2  # a Reserve answer: store this block another way
+ns_pb = lru_cache(maxsize=64)(ns_to_pb)  # a namespace's message, built once (requests copy it)
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python names it from 3.13 on
+CHUNK_BYTES = 16 << 20  # a pool store's unit: the daemon commits one while the client fills the next
+
+
+class ProtocolError(TierKVError):
+    """The daemon answered something this client does not understand."""
+
+
+@dataclass(slots=True)
+class _Pool:
+    """This process's mapping of the daemon's pool."""
+
+    rows: torch.Tensor  # [num_slots, slot_bytes]
+    slot_bytes: int
+    mm: mmap.mmap
+    stride: int
+    fresh: list[bool]  # per slot: not yet written through this mapping
+
+    def prepare(self, slots: Sequence[int]) -> None:
+        """Map the pages of slots this process has not written yet in one call
+        per slot (MADV_POPULATE_WRITE), not one page fault per 4 KiB page in
+        the middle of the copy (a fault costs microseconds in a VM)."""
+        for s in slots:
+            if self.fresh[s]:
+                self.fresh[s] = False
+                try:
+                    self.mm.madvise(_POPULATE_WRITE, s * self.stride, self.slot_bytes)
+                except OSError:  # before Linux 5.14: the copy faults the pages in
+                    pass
+
+
+class SameHost:
+    """One client's segment, doorbell and pool mapping (callers hold `lock`)."""
+
+    def __init__(self, client: "GrpcClient", nbytes: int) -> None:
+        self.client, self.nbytes = client, nbytes
+        self.seg: Segment | None = None
+        self.attachment = ""
+        self.bell: Bell | None = None
+        self.pool: _Pool | None = None
+        self.pool_refused = False  # the daemon does not share its pool (asked once per doorbell)
+        self.spare: list[int] = []  # pool slots leased to this doorbell connection for no block yet
+        self.retry_at = 0.0
+        self.lock = threading.Lock()
+
+    def attach(self) -> None:
+        c = self.client
+        seg = Segment(self.nbytes)
+        try:
+            reply = c.call("Attach", pb.AttachRequest(name=seg.name, nonce=seg.nonce))
+        except BaseException:
+            seg.close()
+            raise
+        seg.unlink()  # the daemon maps it now; no name left behind if anyone dies
+        self.seg, self.attachment = seg, reply.attachment
+        self.bell = Bell.open(reply.doorbell, c.token, c.timeout_s) if reply.doorbell else None
+
+    def close_bell(self) -> None:
+        """Hang up the doorbell; the pool mapping goes with it (the daemon hands back its slots)."""
+        bell, self.bell, self.pool, self.pool_refused, self.spare = self.bell, None, None, False, []
+        if bell is not None:
+            bell.close()
+
+    def drop(self) -> None:
+        """Stop using the segment: the daemon forgot it (restart) or may still
+        be writing into it (a call that timed out). A new one is attached on
+        a later call (`segment`)."""
+        with self.lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        old, self.seg = self.seg, None
+        self.close_bell()
+        if old is not None:
+            old.close()
+            self.retry_at, self.client.transport = time.monotonic(), "stream"
+
+    def segment(self) -> Segment | None:
+        """The attached segment; re-attaches a dropped one, at most every 10 s."""
+        if self.seg is None and self.nbytes and time.monotonic() >= self.retry_at:
+            with self.lock:
+                if self.seg is None:
+                    try:
+                        self.attach()
+                        self.client.transport = "shm"
+                    except (OSError, grpc.RpcError):
+                        self.retry_at = time.monotonic() + 10.0
+        return self.seg
+
+    def room(self, ns: Namespace) -> int:
+        """Bytes of the segment when it can carry this namespace's blocks, else 0."""
+        seg = self.segment()
+        return seg.data_bytes if seg is not None and object_size(ns) <= seg.data_bytes else 0
+
+    def call(self, name: str, request, reply_type):
+        """A shared-memory call (caller holds `lock`): on the doorbell when the
+        daemon offered one, else through gRPC."""
+        return self.bell.call(name, request, reply_type) if self.bell is not None else self.client.call(name, request)
+
+    def close(self) -> None:
+        self.nbytes = 0  # no re-attaching after this
+        seg, self.seg = self.seg, None
+        self.close_bell()
+        if seg is not None:
+            try:
+                self.client.call("Detach", pb.DetachRequest(attachment=self.attachment), timeout_s=2.0)
+            except grpc.RpcError:
+                pass  # the daemon reaps idle attachments itself
+            seg.close()
+
+    # ------------------------------------------------------------ data paths
+    def load(self, ns: Namespace, hashes: Sequence[BlockHash], lend: bool) -> list[torch.Tensor | None] | None:
+        """Block i's object lands at i * object_size in a stretch of the segment
+        (the daemon verified it there). With `lend` the payloads handed out
+        are views of that stretch, which stays reserved while any of them is
+        alive (zero copies here); otherwise each is copied out once. None:
+        no segment, or no room in it (the caller streams)."""
+        P, S = ns.payload_bytes, object_size(ns)
+        with self.lock:
+            if self.seg is None:  # lost meanwhile (see drop)
+                return None
+            got = (self.seg.stretch(len(hashes) * S, lend=True) if lend else None)
+            lent = got is not None
+            got = got or self.seg.stretch(len(hashes) * S)
+            if got is None:  # the caller still holds earlier blocks all over the segment
+                return None
+            offset, area = got
+            req = pb.ShmRequest(ns=ns_pb(ns), hashes=list(hashes), attachment=self.attachment, offset=offset)
+            sizes = list(self.call("LoadShm", req, pb.LoadShmReply).sizes)
+            _check_sizes(sizes, len(hashes), P)
+            payloads = _payload_views(area, ns, len(hashes))
+            if not lent:
+                payloads = [p.clone() if s else p for p, s in zip(payloads, sizes)]
+        return [p if s else None for p, s in zip(payloads, sizes)]
+
+    def store(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int | None:
+        """Into the daemon's pool when it shares one, else through the segment;
+        None when neither can take the batch now (the caller streams)."""
+        with self.lock:
+            pool = self._pool(ns)
+            if pool is None:
+                return self._store_segment(ns, hashes, payloads)
+            try:
+                stored, rest = self._store_pool(pool, ns, hashes, payloads)
+            except BaseException:  # replies may be left unread: start afresh (the daemon frees the slots)
+                self._drop()
+                raise
+            if rest:  # the pool is full of pinned blocks: the daemon places these below
+                hs, ps = [hashes[j] for j in rest], [payloads[j] for j in rest]
+                more = self._store_segment(ns, hs, ps)
+                stored += self.client._store_stream(ns, hs, ps) if more is None else more
+            return stored
+
+    def _store_pool(self, pool: _Pool, ns: Namespace, hashes: Sequence[BlockHash],
+                    payloads: Sequence[torch.Tensor]) -> tuple[int, list[int]]:
+        """Reserve, fill and commit in chunks of about CHUNK_BYTES, pipelined:
+        the daemon reserves the next chunk and commits the last one while
+        this process fills the current one. (stored, positions with no room)."""
+        per = max(1, CHUNK_BYTES // object_size(ns))
+        chunks = _chunks(len(hashes), per)
+        replies = _Replies(self.bell, pool.rows.shape[0])
+        if self.spare:  # spare slots from an earlier Commit: the first chunk starts without a round trip
+            k = min(len(self.spare), len(chunks[0]))
+            chunks[:1] = [chunks[0][:k]] + ([chunks[0][k:]] if k < len(chunks[0]) else [])
+            replies.reserved.append(self.spare[:k])
+            del self.spare[:k]
+        else:
+            replies.reserve(ns, [hashes[j] for j in chunks[0]])
+        flats = payload_bytes(ns, payloads)  # while the daemon, likely idle until now, wakes up and answers
+        rest: list[int] = []
+        for k, chunk in enumerate(chunks):
+            if k + 1 < len(chunks):
+                replies.reserve(ns, [hashes[j] for j in chunks[k + 1]])
+            slots = replies.slots(k)
+            todo = [(j, s) for j, s in zip(chunk, slots) if s >= 0]
+            rest += [j for j, s in zip(chunk, slots) if s == NO_ROOM]
+            if todo:
+                hs, ss = [hashes[j] for j, _ in todo], [s for _, s in todo]
+                pool.prepare(ss)
+                encode_flats(pool.rows, ss, ns, hs, [flats[j] for j, _ in todo])
+                # the first Commit asks for the next store's spares: the daemon makes room while this fills on
+                replies.commit(ns, hs, ss, spare=0 if replies.asked else max(1, per // 4) - len(self.spare))
+        stored = replies.finish()
+        self.spare += replies.spare
+        return stored, rest
+
+    def _store_segment(self, ns: Namespace, hashes: Sequence[BlockHash],
+                       payloads: Sequence[torch.Tensor]) -> int | None:
+        """Objects encoded straight into the segment (copied and hashed in one
+        pass); the daemon checks them and copies each once into its pool."""
+        S = object_size(ns)
+        got = None if self.seg is None else self.seg.stretch(len(hashes) * S)
+        if got is None:  # no segment, or loaded blocks the caller holds fill it
+            return None
+        offset, area = got
+        encode_rows(area.view(len(hashes), S), ns, hashes, payloads)
+        req = pb.ShmRequest(ns=ns_pb(ns), hashes=list(hashes), attachment=self.attachment, offset=offset)
+        return self.call("StoreShm", req, pb.StoreReply).stored
+
+    def _pool(self, ns: Namespace) -> _Pool | None:
+        """This process's mapping of the daemon's pool, mapped on first use;
+        None without a doorbell, when the daemon does not share its pool, or
+        when this namespace's objects do not fit its slots."""
+        if self.pool is None and self.bell is not None and not self.pool_refused:
+            try:
+                reply, fd = self.bell.call_fd("MapPool", pb.PoolRequest(ns=ns_pb(ns)), pb.PoolReply)
+            except BellError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise
+                self.pool_refused = True  # not shared (several tenants, not a pool): the segment it is
+                return None
+            self.pool = _map(fd, reply)
+        pool = self.pool
+        return pool if pool is not None and object_size(ns) <= pool.slot_bytes else None
+
+
+class _Replies:
+    """The calls of one pipelined pool store, posted on the doorbell and
+    answered in order: Reserve replies are kept per chunk, Commit replies
+    summed."""
+
+    def __init__(self, bell: Bell, num_slots: int) -> None:
+        self.bell, self.num_slots = bell, num_slots
+        self.pending: deque[tuple[str, int]] = deque()  # (call, its Reserve chunk or its Commit's block count)
+        self.reserved: list[list[int]] = []
+        self.stored = 0
+        self.spare: list[int] = []  # spare slots a Commit was granted
+        self.asked = False  # a Commit of this store asked for spares already
+
+    def reserve(self, ns: Namespace, hashes: list[BlockHash]) -> None:
+        self.bell.post("Reserve", pb.BlocksRequest(ns=ns_pb(ns), hashes=hashes))
+        self.pending.append(("Reserve", len(hashes)))
+
+    def commit(self, ns: Namespace, hashes: list[BlockHash], slots: list[int], spare: int = 0) -> None:
+        self.bell.post("Commit", pb.CommitRequest(ns=ns_pb(ns), hashes=hashes, slots=slots, spare=max(0, spare)))
+        self.pending.append(("Commit", len(hashes)))
+        self.asked = True
+
+    def slots(self, k: int) -> list[int]:
+        """The slots chunk k got (waiting for the replies before it)."""
+        while len(self.reserved) <= k:
+            self._next()
+        return self.reserved[k]
+
+    def finish(self) -> int:
+        while self.pending:
+            self._next()
+        return self.stored
+
+    def _next(self) -> None:
+        name, n = self.pending.popleft()
+        if name == "Commit":
+            reply = self.bell.answer(name, pb.CommitReply)
+            self.stored += reply.stored
+            self.spare += self._checked(name, list(reply.spare), len(reply.spare), 0)
+            return
+        self.reserved.append(self._checked(name, list(self.bell.answer(name, pb.ReserveReply).slots), n, NO_ROOM))
+
+    def _checked(self, name: str, slots: list[int], n: int, lowest: int) -> list[int]:
+        if len(slots) != n or any(not lowest <= s < self.num_slots for s in slots):
+            raise ProtocolError(f"daemon answered {name} of {n} blocks with slots {slots[:8]}...")
+        return slots
+
+
+def _chunks(n: int, per: int) -> list[list[int]]:
+    """Positions 0..n-1 in chunks of `per`, the first and the last a quarter
+    of that: the first fits the spare slots a Commit asks for (or waits for
+    a short Reserve), and the daemon's last Commit, which no filling
+    overlaps, is short."""
+    edge = max(1, per // 4)
+    if n <= edge:
+        return [list(range(n))]
+    cuts = [0, edge]
+    while n - cuts[-1] > edge + per:
+        cuts.append(cuts[-1] + per)
+    if n - cuts[-1] > edge:
+        cuts.append(n - edge)
+    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:] + [n])]
+
+
+def _map(fd: int, reply: pb.PoolReply) -> _Pool:
+    """Map the daemon's pool (fd: its memfd, closed here) as [num_slots, slot_bytes] rows."""
+    try:
+        size = reply.num_slots * reply.slot_stride
+        if not reply.num_slots or reply.slot_bytes > reply.slot_stride or reply.slot_stride % mmap.PAGESIZE \
+                or os.fstat(fd).st_size < size:  # a short file would be SIGBUS, not an error
+            raise ProtocolError(f"daemon announced a pool of {reply.num_slots} slots of {reply.slot_bytes} "
+                                f"bytes, {reply.slot_stride} apart, in a {os.fstat(fd).st_size}-byte file")
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    except OSError as e:
+        raise ProtocolError(f"cannot map the daemon's pool: {e}") from None
+    finally:
+        os.close(fd)
+    rows = torch.frombuffer(mm, dtype=torch.uint8).view(reply.num_slots, reply.slot_stride)
+    return _Pool(rows[:, :reply.slot_bytes], reply.slot_bytes, mm, reply.slot_stride, [True] * reply.num_slots)
+
+
+def _check_sizes(sizes: Sequence[int], n: int, payload_bytes: int) -> None:
+    if len(sizes) != n or any(s not in (0, payload_bytes) for s in sizes):
+        raise ProtocolError(f"daemon announced sizes {list(sizes)[:8]}... for {n} blocks of {payload_bytes} bytes")
+
+
+def _payload_views(area: torch.Tensor, ns: Namespace, n: int) -> list[torch.Tensor]:
+    """Payload views of the n objects laid out back to back in `area`: one
+    strided view, unbound (a view per block built in Python costs more than
+    copying a small block)."""
+    S, item = object_size(ns), torch_dtype(ns).itemsize
+    rows = area[: n * S].view(torch_dtype(ns)).view(n, S // item)
+    return list(rows[:, HEADER_SIZE // item:].view(n, *ns.block_shape).unbind(0))

@@ -1,0 +1,237 @@
+"""vLLM's paged KV cache as the connector reads and writes it (vLLM-free).
+
+Two cache layouts are understood (see ``kernels/layouts.py``):
+
+- CPU attention: per layer ``(num_pages, kv_heads, page_tokens, 2 * head_dim)``,
+  each (page, head) an ISA-packed K/V region (`CpuPageLayout`);
+- CUDA flash-attention: per layer ``[2, num_pages, page_tokens, kv_heads, head_dim]``.
+
+Both are gathered into canonical pages ``[n, L, 2, page_tokens, H, D]`` and
+regrouped into store blocks ``[m, L, 2, block_tokens, H, D]`` (and back), so
+the store holds the engine-neutral layout of docs/hash-spec.md whatever the
+backend. `connectors/vllm/worker.py` moves those blocks to and from the store.
+"""
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+from torch import Tensor
+
+from tiers.types import ConfigError
+
+
+def regroup(x: Tensor, tokens: int) -> Tensor:
+    """``[n, L, 2, t, H, D]`` covering ``n * t`` consecutive tokens ->
+    ``[n * t // tokens, L, 2, tokens, H, D]`` (a copy unless ``t == tokens``).
+    One of `t`, `tokens` must divide the other."""
+    n, layers, two, t, heads, dim = x.shape
+    if t == tokens:
+        return x
+    if t % tokens == 0:  # split each page into k store blocks
+        k = t // tokens
+        y = x.view(n, layers, 2, k, tokens, heads, dim).permute(0, 3, 1, 2, 4, 5, 6)
+        return y.reshape(n * k, layers, 2, tokens, heads, dim)
+    assert tokens % t == 0 and n % (tokens // t) == 0, (x.shape, tokens)
+    p = tokens // t  # merge p pages into one store block
+    y = x.view(n // p, p, layers, 2, t, heads, dim).permute(0, 2, 3, 1, 4, 5, 6)
+    return y.reshape(n // p, layers, 2, tokens, heads, dim)
+
+
+class CpuPageLayout:
+    """Where vLLM's CPU attention keeps each K/V element of a page.
+
+    The CPU backend views one (page, head) of a layer as a region of
+    ``2 * page * head_dim`` elements, K first, and packs each half for its
+    ISA: token-major, K transposed to ``[head_dim, page]`` ("vec", "vec16",
+    NEON, ...) or AMX tiles. `index[kv, t, d]` is the flat position of
+    element (kv, t, d) in that region; `connectors.vllm.connector` learns it from
+    vLLM's own cache writer. Known packings get strided fast paths.
+    """
+
+    def __init__(self, index: Tensor) -> None:
+        two, page, dim = index.shape
+        flat = index.reshape(-1).to(torch.int64)
+        if two != 2 or not torch.equal(torch.sort(flat).values, torch.arange(flat.numel())):
+            raise ConfigError(f"CPU page layout index {tuple(index.shape)} is not a permutation of one region")
+        self.page, self.dim, self.index = page, dim, flat
+        self.inverse = torch.argsort(flat)
+        ar = torch.arange(flat.numel()).view(2, page, dim)
+        k_t = torch.stack([torch.arange(page * dim).view(dim, page).t(), ar[1]])
+        self.kind = "tokens" if torch.equal(flat, ar.reshape(-1)) else \
+            "k_transposed" if torch.equal(flat, k_t.reshape(-1)) else "permuted"
+
+    @classmethod
+    def tokens(cls, page: int, dim: int) -> "CpuPageLayout":
+        return cls(torch.arange(2 * page * dim).view(2, page, dim))
+
+    def views(self, regions: Tensor) -> tuple[Tensor, Tensor] | None:
+        """K and V of ``[n, H, 2 * page * D]`` regions as ``[n, H, page, D]``
+        views (writable), or None for a packing that is no strided view."""
+        n, heads, _ = regions.shape
+        half = self.page * self.dim
+        v = regions[..., half:].view(n, heads, self.page, self.dim)
+        if self.kind == "tokens":
+            return regions[..., :half].view(n, heads, self.page, self.dim), v
+        if self.kind == "k_transposed":
+            return regions[..., :half].view(n, heads, self.dim, self.page).transpose(-1, -2), v
+        return None
+
+
+class PagedKV:
+    """vLLM's per-layer KV cache, read and written as canonical store blocks.
+
+    Staging buffers are kept and reused (grow-only): fresh memory costs a
+    page fault per 4 KiB on first touch, which on some VMs is as slow as the
+    copy itself.
+    """
+
+    def __init__(self, kv_caches: dict[str, Tensor], kv_heads: int, head_dim: int, page_tokens: int,
+                 cpu_layout: CpuPageLayout | None = None) -> None:
+        names = sorted(kv_caches, key=_layer_index)
+        self.layers = [kv_caches[n] for n in names]
+        first = self.layers[0]
+        self.device, self.dtype = first.device, first.dtype
+        self.heads, self.dim, self.page = kv_heads, head_dim, page_tokens
+        self._bufs: dict[str, Tensor] = {}
+        if first.dim() == 4 and tuple(first.shape[1:]) == (kv_heads, page_tokens, 2 * head_dim):
+            if cpu_layout is None or (cpu_layout.page, cpu_layout.dim) != (page_tokens, head_dim):
+                raise ConfigError("the CPU KV cache layout needs its page layout (CpuPageLayout) to be known")
+            self.kind, self.cpu = "cpu", cpu_layout
+        elif first.dim() == 5 and first.shape[0] == 2 and tuple(first.shape[2:]) == (page_tokens, kv_heads, head_dim):
+            from kernels import layouts  # imported here: triton loads only where a CUDA worker runs
+
+            self.kind, self._flash = "flash", layouts
+        else:
+            raise ConfigError(
+                f"unsupported vLLM KV cache layout {tuple(first.shape)} for layer {names[0]!r}: expected CPU "
+                f"(pages, {kv_heads}, {page_tokens}, {2 * head_dim}) or flash (2, pages, {page_tokens}, "
+                f"{kv_heads}, {head_dim})")
+        for name, layer in zip(names, self.layers):
+            if layer.shape != first.shape or layer.dtype != first.dtype or not layer.is_contiguous():
+                raise ConfigError(f"layer {name!r} is {tuple(layer.shape)} {layer.dtype}; layers must match "
+                                  f"{tuple(first.shape)} {first.dtype} and be contiguous")
+
+    def sibling(self) -> "PagedKV":
+        """The same pages with buffers of its own, for another thread."""
+        twin = copy.copy(self)
+        twin._bufs = {}
+        return twin
+
+    def read_blocks(self, page_ids: list[int], tokens: int) -> Tensor:
+        """Pages `page_ids` as canonical blocks ``[n * page // tokens, L, 2, tokens, H, D]``
+        (or ``[n * page // tokens]`` merged when tokens > page). The result is
+        a reused buffer: valid until the next call."""
+        if self.kind == "flash" or self.page % tokens:
+            return regroup(self._gather(page_ids), tokens)
+        n, k, L = len(page_ids), self.page // tokens, len(self.layers)
+        out = self._buf("blocks", (n * k, L, 2, tokens, self.heads, self.dim))
+        o = out.view(n, k, L, 2, tokens, self.heads, self.dim)
+        runs = _runs(page_ids)
+        for i, layer in enumerate(self.layers):
+            pages = layer.view(layer.shape[0], self.heads, -1)
+            for a, b, first in runs:  # read each run of consecutive pages in place
+                kv = self._kv(pages[first: first + b - a])
+                for j in range(2):  # [m, H, page, D] -> [m, k, tokens, H, D]
+                    o[a:b, :, i, j].copy_(kv[j].reshape(b - a, self.heads, k, tokens, self.dim).permute(0, 2, 3, 1, 4))
+        return out
+
+    def write_blocks(self, blocks: list[Tensor], page_ids: list[int]) -> None:
+        """Write canonical blocks (each ``[L, 2, tokens, H, D]``, covering the pages in order) into `page_ids`.
+        Each run of consecutive pages is written in place, one layer at a time."""
+        tokens = blocks[0].shape[2]
+        if self.kind == "flash" or self.page % tokens:
+            self._scatter(regroup(torch.stack(blocks), self.page), page_ids)
+            return
+        n, k, heads, dim = len(page_ids), self.page // tokens, self.heads, self.dim
+        assert len(blocks) == n * k, (len(blocks), n, k)
+        batch = as_batch(blocks)  # blocks laid out evenly in one buffer: read in place, no staging copy
+        stage = None if batch is not None else self._buf("layer", (n * k, 2, tokens, heads, dim))
+        runs = _runs(page_ids)
+        for i, layer in enumerate(self.layers):
+            src = batch[:, i] if batch is not None else torch.stack([b[i] for b in blocks], out=stage)
+            src, pages = src.view(n, k, 2, tokens, heads, dim), layer.view(layer.shape[0], heads, -1)
+            for a, b, first in runs:
+                self._write_run(src[a:b], pages[first: first + b - a])
+
+    def _write_run(self, src: Tensor, dst: Tensor) -> None:
+        """``[m, k, 2, tokens, H, D]`` blocks -> the ``[m, H, 2 * page * D]`` regions of m consecutive pages."""
+        m, k, _, tokens, heads, dim = src.shape
+        views = self.cpu.views(dst)
+        tok = None
+        if views is None:  # a packing with no strided view: stage token-major, then permute into place
+            tok = self._buf("tokens", (m, heads, 2, self.page, dim))
+            views = (tok[:, :, 0], tok[:, :, 1])
+        for j in range(2):  # [m, k, tokens, H, D] -> [m, H, page, D]
+            views[j].view(m, heads, k, tokens, dim).copy_(src[:, :, j].permute(0, 3, 1, 2, 4))
+        if tok is not None:
+            torch.index_select(tok.view(m, heads, -1), 2, self.cpu.inverse, out=dst)
+
+    def reserve(self, tokens: int) -> None:
+        """Allocate and touch the save buffer for `tokens` tokens now (at startup), not in a request."""
+        if self.kind == "cpu":
+            n = -(-tokens // self.page)
+            self._buf("blocks", (n * self.page, len(self.layers), 2, self.heads, self.dim)).zero_()
+
+    def _kv(self, regions: Tensor) -> tuple[Tensor, Tensor]:
+        views = self.cpu.views(regions)
+        if views is not None:
+            return views
+        n = regions.shape[0]
+        tok = self._buf("tokens", (n, self.heads, 2, self.page, self.dim))
+        torch.index_select(regions, 2, self.cpu.index, out=tok.view(n, self.heads, -1))
+        return tok[:, :, 0], tok[:, :, 1]
+
+    def _gather(self, page_ids: list[int]) -> Tensor:
+        """Canonical pages ``[n, L, 2, page, H, D]`` (a fresh tensor)."""
+        if self.kind == "cpu":
+            return self.read_blocks(page_ids, self.page).clone()
+        ids = torch.tensor(page_ids, dtype=torch.int64, device=self.device)
+        return self._flash.gather_vllm_flash(self.layers, ids.view(-1, 1))
+
+    def _scatter(self, pages: Tensor, page_ids: list[int]) -> None:
+        if self.kind == "cpu":
+            self.write_blocks(list(pages.contiguous()), page_ids)
+            return
+        ids = torch.tensor(page_ids, dtype=torch.int64, device=self.device)
+        self._flash.scatter_vllm_flash(pages.to(device=self.device, dtype=self.dtype).contiguous(),
+                                       ids.view(-1, 1), self.layers)
+
+    def _buf(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        numel = torch.Size(shape).numel()
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self._bufs[name] = torch.empty(numel, dtype=self.dtype, device=self.device)
+        return buf[:numel].view(shape)
+
+
+def as_batch(blocks: list[Tensor]) -> Tensor | None:
+    """``torch.stack(blocks)`` as a view, when the blocks are same-shaped
+    contiguous views spaced evenly in one buffer (a daemon's shared-memory
+    load hands them out so); None otherwise."""
+    first = blocks[0]
+    step, item = (blocks[1].data_ptr() - first.data_ptr() if len(blocks) > 1 else 0), first.element_size()
+    if step < 0 or step % item or not first.is_contiguous():
+        return None
+    base = first.untyped_storage().data_ptr()
+    for i, b in enumerate(blocks):
+        if (b.data_ptr() != first.data_ptr() + i * step or b.shape != first.shape or b.dtype != first.dtype
+                or not b.is_contiguous() or b.untyped_storage().data_ptr() != base):
+            return None
+    return first.as_strided((len(blocks), *first.shape), (step // item, *first.stride()))
+
+
+def _runs(page_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(start, end, first page id) of each stretch of `page_ids` whose ids are consecutive."""
+    runs, a = [], 0
+    for b in range(1, len(page_ids) + 1):
+        if b == len(page_ids) or page_ids[b] != page_ids[b - 1] + 1:
+            runs.append((a, b, page_ids[a]))
+            a = b
+    return runs
+
+
+def _layer_index(name: str) -> int:
+    nums = re.findall(r"\.(\d+)\.", f".{name}.")
+    return int(nums[0]) if nums else -1

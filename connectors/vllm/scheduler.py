@@ -1,0 +1,277 @@
+"""Scheduler side of the vLLM connector: what to load and what to save
+(and the connector's validated extra config).
+
+vLLM-free on purpose (plain token lists and block ids in, `Transfer`s out),
+so the planning rules are testable without an engine. `connectors/vllm/connector.py`
+adapts vLLM's objects to these calls.
+
+Units. The store keys blocks of ``block_tokens`` tokens (16 by default, the
+same keys our own engine writes); vLLM allocates pages of ``page_tokens``
+(128 on CPU, 16 on CUDA). One must divide the other. A load moves whole
+pages *and* whole store blocks, so loaded prefixes are multiples of
+``align = max(page_tokens, block_tokens)``; a save moves every full store
+block that has KV, which may be part of a page.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit
+
+import xxhash
+
+from cache_service.blocks.keys import Namespace, prefix_hashes
+from connectors.client import CacheClient, local_config
+from tiers.types import HASH_BYTES, BlockHash, ConfigError
+
+log = logging.getLogger("vllm.tierkv")  # under vLLM's logger, so its handler shows our lines
+_LOAD_FAILURE = ("recompute", "fail")
+
+
+@dataclass(slots=True)
+class TierKVConfig:
+    """The connector's ``kv_connector_extra_config``, validated."""
+
+    url: str = "local://"
+    block_tokens: int = 16
+    tenant: str = ""
+    load_failure: str = "recompute"
+    async_save: bool | str = "auto"  # auto: asynchronous when vLLM's KV cache is on a GPU
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url:
+            raise ConfigError(f"kv_connector_extra_config.url must be a non-empty string, got {self.url!r}")
+        bt = self.block_tokens
+        if isinstance(bt, bool) or not isinstance(bt, int) or bt <= 0:
+            raise ConfigError(f"kv_connector_extra_config.block_tokens must be a positive int, got {bt!r}")
+        if not isinstance(self.tenant, str):
+            raise ConfigError(f"kv_connector_extra_config.tenant must be a string, got {self.tenant!r}")
+        if not isinstance(self.async_save, bool) and self.async_save != "auto":
+            raise ConfigError(f"kv_connector_extra_config.async_save must be true, false or \"auto\", "
+                              f"got {self.async_save!r}")
+        if self.load_failure not in _LOAD_FAILURE:
+            raise ConfigError(f"kv_connector_extra_config.load_failure must be one of {_LOAD_FAILURE}, "
+                              f"got {self.load_failure!r}")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "TierKVConfig":
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown} for TierKVConnector "
+                              f"(known: {', '.join(cls.__dataclass_fields__)})")
+        return cls(**extra)
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One request's KV move between vLLM pages and the store.
+
+    Tokens ``[start, end)`` move; ``token_ids`` is the prefix ``[0, end)``
+    (block hashes chain over it). ``page_ids`` are vLLM block ids covering
+    tokens ``[start // page_tokens * page_tokens, end)`` in order.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    start: int
+    end: int
+    page_ids: list[int]
+    tenant: str = ""
+
+
+@dataclass(slots=True)
+class _Request:
+    tokens: Sequence[int]  # live view of the request's token ids (grows while decoding)
+    tenant: str
+    stored: int = 0  # tokens [0, stored) are in the store or queued for it
+    local: int = 0  # tokens vLLM's own prefix cache supplied at the last lookup
+    hashes: list[BlockHash] = field(default_factory=list)  # memo for lookups
+    load: tuple[int, int] | None = None  # tokens to load at the next step
+    load_pages: list[int] = field(default_factory=list)
+    saving: bool = False  # a save was planned: the worker reports the request when its saves are done
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Cumulative counters of the scheduler side."""
+
+    lookups: int = 0
+    lookup_errors: int = 0
+    hit_tokens: int = 0  # tokens vLLM was told to load
+    load_failures: int = 0  # requests whose load failed (in part) and were recomputed
+
+
+class SchedulerSide:
+    """Plans loads and saves for vLLM requests against one store namespace."""
+
+    def __init__(self, client: CacheClient, ns: Namespace, page_tokens: int) -> None:
+        bt = ns.block_tokens
+        if page_tokens % bt and bt % page_tokens:
+            raise ValueError(f"block_tokens {bt} and vLLM block_size {page_tokens}: one must divide the other")
+        self.client, self.ns, self.page = client, ns, page_tokens
+        self.bt = bt
+        self.align = max(bt, page_tokens)
+        self._reqs: dict[str, _Request] = {}
+        self.stats = SchedulerStats()
+
+    def namespace(self, tenant: str) -> Namespace:
+        return self.ns if tenant == self.ns.tenant_salt else self.ns.with_tenant(tenant)
+
+    # ----------------------------------------------------------- admission
+    def matched_tokens(self, req_id: str, tokens: Sequence[int], num_computed: int, tenant: str) -> int:
+        """Tokens beyond `num_computed` (vLLM's own page-aligned hit) that the
+        store can supply. Never the whole prompt (vLLM must compute at least
+        one token for logits); a multiple of `align`. Only memoizes: repeated
+        calls give the same answer while the store does."""
+        st = self._reqs.get(req_id)
+        if st is None or st.tenant != tenant:
+            st = self._reqs[req_id] = _Request(tokens, tenant)
+        n = len(tokens)
+        if len(st.hashes) != n // self.bt:
+            st.hashes = prefix_hashes(self.namespace(tenant), list(tokens[: n // self.bt * self.bt]))
+        self.stats.lookups += 1
+        try:
+            held = self.client.lookup(st.hashes)
+        except Exception:  # dispatch boundary: an unusable store is a miss, never an error
+            log.exception("lookup failed; treating as a miss")
+            self.stats.lookup_errors += 1
+            held = 0
+        st.stored, st.local = held * self.bt, num_computed
+        limit = (n - 1) // self.align * self.align
+        usable = min(held * self.bt, limit) // self.align * self.align
+        return max(0, usable - num_computed)
+
+    def allocated(self, req_id: str, page_ids: Sequence[int], num_external: int) -> None:
+        """vLLM allocated pages for `req_id` and accepted `num_external` tokens from us."""
+        st = self._reqs.get(req_id)
+        if st is None or num_external <= 0:
+            return
+        start, end = st.local, st.local + num_external
+        assert start % self.page == 0 and end % self.align == 0, (start, end)
+        st.load = (start, end)
+        st.load_pages = list(page_ids[start // self.page: end // self.page])
+        self.stats.hit_tokens += num_external
+
+    # ----------------------------------------------------------- each step
+    def plan(self, scheduled: Sequence[tuple[str, int, int]],
+             page_ids_of: Callable[[str], Sequence[int]]) -> tuple[list[Transfer], list[Transfer]]:
+        """Loads and saves for one step.
+
+        `scheduled` holds ``(req_id, num_computed_before_step, num_scheduled)``
+        per request in the step; `page_ids_of(req_id)` gives its pages.
+        A save covers every full store block that will have KV after the
+        step and is not in the store yet.
+        """
+        loads: list[Transfer] = []
+        saves: list[Transfer] = []
+        for req_id, computed, scheduled_now in scheduled:
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            if st.load is not None:
+                start, end = st.load
+                loads.append(Transfer(req_id, list(st.tokens[:end]), start, end, st.load_pages, st.tenant))
+                st.load, st.load_pages = None, []
+                st.stored = max(st.stored, end)
+            full = min(computed + scheduled_now, len(st.tokens)) // self.bt * self.bt
+            if full > st.stored:
+                pages = page_ids_of(req_id)
+                first, last = st.stored // self.page, -(-full // self.page)
+                saves.append(Transfer(req_id, list(st.tokens[:full]), st.stored, full,
+                                      list(pages[first:last]), st.tenant))
+                st.stored, st.saving = full, True
+        return loads, saves
+
+    def load_failed(self, req_id: str, good_tokens: int) -> None:
+        """A worker loaded only `good_tokens` of the prefix; vLLM recomputes the
+        rest, and those blocks must be saved again."""
+        self.stats.load_failures += 1
+        st = self._reqs.get(req_id)
+        if st is not None:
+            st.stored = min(st.stored, good_tokens)
+
+    def finished(self, req_id: str) -> bool:
+        """Forget `req_id`; True when a save was planned for it (the workers report its end)."""
+        st = self._reqs.pop(req_id, None)
+        return st is not None and st.saving
+
+
+# ------------------------------------------------------------- lookups across processes
+# vLLM may run its worker in another process than the scheduler (the CPU
+# backend does by default). An embedded store (local://) can be opened by one
+# process only, so the worker owns it and answers the scheduler's lookups over
+# an abstract Unix socket named after the store directory.
+# Wire: request b"L" + <I n> + n 16-byte hashes; reply <I held>.
+LOOKUP_REQUEST, LOOKUP_REPLY = struct.Struct("<cI"), struct.Struct("<I")
+
+
+def lookup_address(url: str) -> str:
+    """The abstract socket of the process that owns the embedded store of `url`."""
+    path = Path(local_config(url).tiers.disk.path).resolve()
+    return "\0tierkv-lookup-" + xxhash.xxh3_64_hexdigest(str(path).encode())
+
+
+class RemoteLookup:
+    """The scheduler's view of an embedded store owned by a worker process:
+    `lookup` only (all the scheduler needs). A failure is a miss."""
+
+    def __init__(self, address: str, timeout_s: float = 5.0) -> None:
+        self.address, self.timeout_s = address, timeout_s
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self.errors = 0
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        msg = LOOKUP_REQUEST.pack(b"L", len(hashes)) + b"".join(hashes)
+        with self._lock:
+            for attempt in range(2):  # one reconnect: the worker may have restarted its server
+                try:
+                    if self._sock is None:
+                        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        self._sock.settimeout(self.timeout_s)
+                        self._sock.connect(self.address)
+                    self._sock.sendall(msg)
+                    return LOOKUP_REPLY.unpack(recv_exact(self._sock, LOOKUP_REPLY.size))[0]
+                except OSError as e:
+                    self._drop()
+                    if attempt:
+                        self.errors += 1
+                        log.warning("tierkv: lookup via the worker's store failed (%s); a miss", e)
+        return 0
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def read_request(sock: socket.socket) -> list[BlockHash]:
+    op, n = LOOKUP_REQUEST.unpack(recv_exact(sock, LOOKUP_REQUEST.size))
+    if op != b"L":
+        raise ConnectionError(f"unknown lookup op {op!r}")
+    raw = recv_exact(sock, n * HASH_BYTES)
+    return [BlockHash(raw[i:i + HASH_BYTES]) for i in range(0, len(raw), HASH_BYTES)]
+
+
+def is_local(url: str) -> bool:
+    return urlsplit(url).scheme == "local"

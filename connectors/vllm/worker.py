@@ -1,0 +1,306 @@
+"""Worker side of the vLLM connector: move KV between vLLM's pages and the store.
+
+vLLM-free on purpose: it takes the per-layer cache tensors vLLM registers
+(read and written through `connectors/vllm/pages.py`, which knows vLLM's CPU
+and flash-attention layouts) and the `Transfer`s the scheduler side planned.
+
+Loads run before the forward that needs them; a block that is missing or
+fails its checksum ends the loaded prefix, and the pages from there on are
+reported so vLLM recomputes them. A save is one gather from the pages, then
+`client.store`, which copies into the store's host tier; lower tiers are
+written by the store's own background writers, so no step waits on disk.
+Saves run after the forward, in the step (the default on CPU), or queued to
+a background thread (`SaveQueue`, the default on GPU): then a finished
+request's pages stay with us until its saves have read them (vLLM's delayed
+free: `request_finished` returns True, `get_finished` reports the request),
+and a preempted request's saves finish before its pages can be reused.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from cache_service.blocks.keys import KV_DTYPES, Namespace, prefix_hashes
+from connectors.client import CacheClient
+from connectors.vllm.pages import CpuPageLayout, PagedKV
+from connectors.vllm.scheduler import LOOKUP_REPLY, Transfer, read_request
+from tiers.types import ConfigError
+
+log = logging.getLogger("vllm.tierkv")  # under vLLM's logger, so its handler shows our lines
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """Cumulative counters of the worker side (one vLLM worker)."""
+
+    loads: int = 0
+    blocks_loaded: int = 0
+    blocks_failed: int = 0
+    pages_invalid: int = 0
+    blocks_saved: int = 0  # handed to the store
+    blocks_new: int = 0  # of those, new to the store's top tier
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+    load_s: float = 0.0
+    save_s: float = 0.0  # spent saving (on the save thread when saves are asynchronous)
+    save_wait_s: float = 0.0  # a step spent waiting for saves (preemptions, synchronous saves)
+    errors: int = 0
+
+
+class WorkerSide:
+    """Executes one step's `Transfer`s against the registered KV cache."""
+
+    def __init__(self, client: CacheClient, ns: Namespace, page_tokens: int, async_save: bool = False) -> None:
+        self.client, self.ns, self.page = client, ns, page_tokens
+        self.bt = ns.block_tokens
+        self.kv: PagedKV | None = None
+        self._reader: PagedKV | None = None  # the save thread's view of the pages: its own buffers
+        self.stats = WorkerStats()
+        self._invalid_pages: set[int] = set()
+        self._failed: dict[str, int] = {}  # req_id -> tokens actually loaded (this step)
+        self.saves = SaveQueue(self._save_one, self.stats) if async_save else None
+
+    def register(self, kv_caches: dict[str, Tensor], cpu_layout: CpuPageLayout | None = None,
+                 reserve_tokens: int = 0) -> None:
+        """Adopt vLLM's per-layer caches (and, for the CPU backend, its page
+        layout); checks they match the namespace. `reserve_tokens`: the most
+        tokens one step saves, whose buffer is prepared now."""
+        kv = PagedKV(kv_caches, self.ns.kv_heads, self.ns.head_dim, self.page, cpu_layout)
+        dtype = str(kv.dtype).removeprefix("torch.")
+        if len(kv.layers) != self.ns.num_layers or dtype != self.ns.kv_dtype or dtype not in KV_DTYPES:
+            raise ConfigError(f"registered KV cache ({len(kv.layers)} layers, {dtype}) differs from the "
+                              f"namespace ({self.ns.num_layers} layers, {self.ns.kv_dtype})")
+        self.kv = kv
+        self._reader = kv.sibling() if self.saves is not None else kv
+        self._reader.reserve(reserve_tokens)
+        log.info("tierkv: %d layers of %s KV, %s layout, pages of %d tokens, store blocks of %d",
+                 len(kv.layers), dtype, kv.kind, self.page, self.bt)
+
+    def namespace(self, tenant: str) -> Namespace:
+        return self.ns if tenant == self.ns.tenant_salt else self.ns.with_tenant(tenant)
+
+    # --------------------------------------------------------------- loads
+    def load(self, transfers: list[Transfer]) -> None:
+        for t in transfers:
+            t0 = time.perf_counter()
+            good = self._load_one(t)
+            dt = time.perf_counter() - t0
+            self.stats.load_s += dt
+            self.stats.loads += 1
+            log.info("tierkv: loaded %d of %d tokens in %.1f ms", good - t.start, t.end - t.start, dt * 1e3)
+            if good < t.end:
+                first_bad = (good - t.start) // self.page
+                self._invalid_pages.update(t.page_ids[first_bad:])
+                self.stats.pages_invalid += len(t.page_ids) - first_bad
+                self._failed[t.req_id] = good
+
+    def _load_one(self, t: Transfer) -> int:
+        """Load tokens [t.start, t.end); returns the end of what was loaded."""
+        assert self.kv is not None, "register_kv_caches must come first"
+        ns = self.namespace(t.tenant)
+        hashes = prefix_hashes(ns, t.token_ids[: t.end])[t.start // self.bt:]
+        try:
+            payloads = self.client.load(ns, hashes)
+        except Exception:  # dispatch boundary: a failed load is recomputed, never fatal
+            log.exception("tierkv: load of %d blocks failed; vLLM recomputes them", len(hashes))
+            self.stats.errors += 1
+            payloads = [None] * len(hashes)
+        n_ok = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
+        align = max(self.page, self.bt)
+        tokens_ok = n_ok * self.bt // align * align
+        self.stats.blocks_failed += len(payloads) - n_ok
+        if tokens_ok:
+            n = tokens_ok // self.bt
+            self.kv.write_blocks(payloads[:n], t.page_ids[: tokens_ok // self.page])
+            self.stats.blocks_loaded += tokens_ok // self.bt
+            self.stats.bytes_loaded += n * self.ns.payload_bytes
+        return t.start + tokens_ok
+
+    @property
+    def failed(self) -> dict[str, int]:
+        """Requests whose load stopped short in this step: req_id -> tokens loaded."""
+        return dict(self._failed)
+
+    def take_invalid_pages(self) -> set[int]:
+        out, self._invalid_pages = self._invalid_pages, set()
+        return out
+
+    def take_failed(self) -> dict[str, int]:
+        out, self._failed = self._failed, {}
+        return out
+
+    # --------------------------------------------------------------- saves
+    def save(self, transfers: list[Transfer]) -> None:
+        """Store the planned blocks (queued, when saves are asynchronous). A
+        request whose load failed in this step is skipped: its new KV was
+        computed on bad context, and vLLM recomputes it."""
+        if self.saves is not None:
+            self.saves.put(transfers, skip=self._failed)
+            return
+        t0 = time.perf_counter()
+        for t in transfers:
+            if t.req_id not in self._failed:
+                _run_save(self._save_one, t, self.stats)
+        self.stats.save_wait_s += time.perf_counter() - t0
+
+    def _save_one(self, t: Transfer) -> None:
+        assert self._reader is not None, "register_kv_caches must come first"
+        ns = self.namespace(t.tenant)
+        first_page = t.start // self.page
+        # pages may start before `start` (a partly saved page): skip the store blocks already saved
+        blocks = self._reader.read_blocks(t.page_ids, self.bt)
+        skip = (t.start - first_page * self.page) // self.bt
+        n = (t.end - t.start) // self.bt
+        blocks = blocks[skip: skip + n]
+        if blocks.device.type != "cpu":
+            blocks = blocks.cpu()
+        hashes = prefix_hashes(ns, t.token_ids[: t.end])[t.start // self.bt:]
+        assert len(hashes) == n == blocks.shape[0], (len(hashes), n, tuple(blocks.shape))
+        new = self.client.store(ns, hashes, list(blocks))
+        self.stats.blocks_saved += n
+        self.stats.blocks_new += int(new or 0)
+        self.stats.bytes_saved += blocks.numel() * blocks.element_size()
+
+
+def _run_save(save, t: Transfer, stats: WorkerStats) -> None:
+    t0 = time.perf_counter()
+    try:
+        save(t)
+    except Exception:  # dispatch boundary: a failed offload only costs a future miss
+        log.exception("tierkv: save of tokens [%d, %d) failed", t.start, t.end)
+        stats.errors += 1
+    stats.save_s += time.perf_counter() - t0
+
+
+class SaveQueue:
+    """Saves run in order on one background thread, tracked per request.
+
+    vLLM keeps a finished request's pages while `finished` has not returned
+    it (the scheduler side answered True to ``request_finished`` for every
+    request it planned a save for, and the worker saw each such save), and
+    `wait` holds a step until the saves reading a preempted request's pages
+    are done, so no page is read after vLLM reuses it.
+    """
+
+    def __init__(self, save, stats: WorkerStats) -> None:
+        self._save, self.stats = save, stats
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._pending: dict[str, int] = {}  # req_id -> queued transfers; kept until reported finished
+        self._finishing: set[str] = set()  # finished in vLLM, waiting for their saves
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def put(self, transfers: list[Transfer], skip: Iterable[str] = ()) -> None:
+        skip = set(skip)
+        todo = [t for t in transfers if t.req_id not in skip]
+        with self._cv:
+            assert not self._closed, "saves queued after close"
+            for t in transfers:  # a skipped request is still reported finished: the scheduler waits for it
+                self._pending.setdefault(t.req_id, 0)
+            for t in todo:
+                self._pending[t.req_id] += 1
+        if todo:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tierkv-save", daemon=True)
+                self._thread.start()
+            self._queue.put(todo)
+
+    def _run(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            for t in batch:
+                _run_save(self._save, t, self.stats)
+                with self._cv:
+                    self._pending[t.req_id] -= 1
+                    self._cv.notify_all()
+
+    def finished(self, req_ids: Iterable[str]) -> set[str]:
+        """Of the requests vLLM finished (now or before), those whose saves are all done."""
+        with self._cv:
+            self._finishing.update(r for r in req_ids if r in self._pending)
+            done = {r for r in self._finishing if self._pending[r] == 0}
+            self._finishing -= done
+            for r in done:
+                del self._pending[r]
+        return done
+
+    def _busy(self, req_ids: Iterable[str] | None) -> bool:
+        ids = self._pending if req_ids is None else req_ids
+        return any(self._pending.get(r, 0) for r in ids)
+
+    def wait(self, req_ids: Iterable[str] | None = None, timeout_s: float | None = None) -> bool:
+        """Block until the saves of `req_ids` (default: all) are done; False on timeout."""
+        ids = None if req_ids is None else list(req_ids)
+        t0 = time.perf_counter()
+        with self._cv:
+            ok = self._cv.wait_for(lambda: not self._busy(ids), timeout_s)
+        self.stats.save_wait_s += time.perf_counter() - t0
+        return ok
+
+    def waiting_requests(self) -> bool:
+        """Whether a finished request still waits for its saves."""
+        with self._cv:
+            return bool(self._finishing)
+
+    def close(self, timeout_s: float = 60.0) -> bool:
+        """Finish the queued saves (up to `timeout_s`), then stop the thread."""
+        done = self.wait(timeout_s=timeout_s)
+        with self._cv:
+            self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout_s if done else 0.1)
+        return done
+
+
+class LookupServer:
+    """Answers a scheduler's lookups against the store this worker owns
+    (see `connectors.vllm.scheduler.RemoteLookup`). One thread per connection."""
+
+    def __init__(self, client: CacheClient, address: str) -> None:
+        self.client, self.address = client, address
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(address)  # abstract: no file to clean up, gone with the process
+        self._sock.listen(8)
+        self._closed = False
+        threading.Thread(target=self._accept, name="tierkv-lookup", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="tierkv-lookup-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while not self._closed:
+                try:
+                    hashes = read_request(conn)
+                except (OSError, ConnectionError):
+                    return
+                try:
+                    held = self.client.lookup(hashes)
+                except Exception:  # dispatch boundary: a failing store answers "nothing held"
+                    log.exception("tierkv: lookup for the scheduler failed")
+                    held = 0
+                try:
+                    conn.sendall(LOOKUP_REPLY.pack(held))
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
