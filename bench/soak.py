@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from connectors.grpc.client import GrpcClient  # noqa: E402
-from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same  # noqa: E402
+from tests.cache_service.store.store_helpers import NS, OBJ, hashes, payload_for, same  # noqa: E402
 from tests.reliability.conftest import Daemon, cpu_disk_config  # noqa: E402
 
 RING, BATCH = 512, 8

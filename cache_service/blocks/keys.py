@@ -136,3 +136,19 @@ def chain_hashes(
 def prefix_hashes(ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> list[BlockHash]:
     """Block hashes of the full blocks of a prompt under namespace `ns`."""
     return chain_hashes(ns.fingerprint(), token_ids, ns.block_tokens)
+
+
+@lru_cache(maxsize=1024)
+def _tenant_salt(tenant: str) -> bytes:
+    return xxhash.xxh3_128_digest(b"tierkv-tenant\n" + tenant.encode("utf-8"))
+
+
+def tenant_keys(tenant: str | None, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+    """Store keys of `hashes` for an authenticated tenant: xxh3_128(salt(tenant)
+    || h). With auth off (None) keys are the client's hashes, so a daemon and
+    an embedded ``local://`` store over the same directory share blocks."""
+    if not tenant:
+        return list(hashes)
+    salt = _tenant_salt(tenant)
+    digest = xxhash.xxh3_128_digest
+    return [BlockHash(digest(salt + h)) for h in hashes]

@@ -10,7 +10,7 @@ import socket
 
 import grpc
 
-from cache_service.server.socket_server import FRAME, HELLO, MAX_BODY, NAMES, CODES, exactly, fill, send
+from cache_service.protocol.frames import FRAME, HELLO, MAX_BODY, NAMES, CODES, exactly, fill, send
 
 
 class BellError(grpc.RpcError):

@@ -12,7 +12,7 @@ anyone who can reach the port is trusted and picks its tenant in the request
 (the default, meant for local development on 127.0.0.1).
 
 Tenants. The token's tenant salts the namespace (``ns.with_tenant(tenant)``)
-and the keys (`tenant_keys`) server-side, so a tenant that sends another
+and the keys (`cache_service.blocks.keys.tenant_keys`) server-side, so a tenant that sends another
 tenant's exact hashes still addresses different blocks, and its sessions live
 in its own directory. A request naming a different tenant than its token's
 is PERMISSION_DENIED.
@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import hashlib
 import tomllib
-from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
 import grpc
-import xxhash
 
 from cache_service.sessions.manifests import SessionError, check_id
 from cache_service.protocol.messages import RequestError
-from tiers.types import BlockHash, ConfigError
+from tiers.types import ConfigError
 
 MIN_TOKEN_CHARS = 16
 _PUBLIC_PREFIX = "/grpc.health.v1.Health/"
@@ -164,43 +162,3 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(refuse)
     return grpc.unary_unary_rpc_method_handler(refuse)
-
-
-# ---------------------------------------------------------------- tenant keys
-@lru_cache(maxsize=1024)
-def _tenant_salt(tenant: str) -> bytes:
-    return xxhash.xxh3_128_digest(b"tierkv-tenant\n" + tenant.encode("utf-8"))
-
-
-def tenant_keys(tenant: str | None, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-    """Store keys of `hashes` for an authenticated tenant: xxh3_128(salt(tenant)
-    || h). With auth off (None) keys are the client's hashes, so a daemon and
-    an embedded ``local://`` store over the same directory share blocks."""
-    if not tenant:
-        return list(hashes)
-    salt = _tenant_salt(tenant)
-    digest = xxhash.xxh3_128_digest
-    return [BlockHash(digest(salt + h)) for h in hashes]
-
-
-# ---------------------------------------------------------------- TLS
-def _read(path: str, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from None
-
-
-def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grpc.ServerCredentials:
-    """TLS credentials for the daemon; with `client_ca`, clients must present certificates."""
-    ca = _read(client_ca, "TLS client CA") if client_ca else None
-    return grpc.ssl_server_credentials([(_read(key, "TLS key"), _read(cert, "TLS certificate"))],
-                                       root_certificates=ca, require_client_auth=ca is not None)
-
-
-def channel_credentials(ca: str | None = None, cert: str | None = None,
-                        key: str | None = None) -> grpc.ChannelCredentials:
-    """TLS credentials for a client (system roots when `ca` is None)."""
-    return grpc.ssl_channel_credentials(root_certificates=_read(ca, "TLS CA") if ca else None,
-                                        private_key=_read(key, "TLS key") if key else None,
-                                        certificate_chain=_read(cert, "TLS certificate") if cert else None)

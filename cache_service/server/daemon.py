@@ -34,7 +34,8 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cache_service.server.auth import AuthInterceptor, Authenticator, server_credentials
+from cache_service.protocol.tls import server_credentials
+from cache_service.server.auth import AuthInterceptor, Authenticator
 from cache_service.config import Config, default_cache_dir
 from cache_service.server.socket_server import Doorbell
 from cache_service.factory import open_store
@@ -44,7 +45,7 @@ from cache_service.server.metrics import Metrics
 from cache_service.server.pool import HANDLERS as POOL_HANDLERS
 from cache_service.server.servicer import ServerSettings, TierKVServicer
 from cache_service.sessions.manifests import SessionStore
-from cache_service.protocol.segment import Attachments
+from cache_service.server.attachments import Attachments
 from cache_service.store.tiered_store import TieredStore
 from proto import tierkv_pb2 as pb
 from tiers.types import TierKVError

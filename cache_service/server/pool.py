@@ -39,7 +39,8 @@ import threading
 
 import grpc
 
-from cache_service.server.socket_server import COMMIT, MAP_POOL, RESERVE, Connection
+from cache_service.protocol.frames import COMMIT, MAP_POOL, RESERVE
+from cache_service.server.socket_server import Connection
 from cache_service.blocks.objects import object_size
 from cache_service.server.rpc import parse
 from cache_service.protocol.messages import RequestError, hashes_from_pb, invalid, ns_from_pb

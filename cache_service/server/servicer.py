@@ -19,7 +19,8 @@ from typing import Iterator
 import grpc
 import torch
 
-from cache_service.server.auth import Authenticator, tenant_keys
+from cache_service.blocks.keys import tenant_keys
+from cache_service.server.auth import Authenticator
 from cache_service.protocol.streaming import (WIRE_VERSION, FramingError, ObjectReader, StoreMessage, admit, load_messages,
                                    object_pieces)
 from cache_service.blocks.keys import Namespace, prefix_hashes
@@ -27,7 +28,8 @@ from cache_service.server.metrics import Metrics
 from cache_service.blocks.objects import adopt_rows, object_size
 from cache_service.server.rpc import rpc
 from cache_service.sessions.manifests import SessionStore
-from cache_service.protocol.segment import DATA_OFFSET, Attachments, host_id
+from cache_service.protocol.segment import DATA_OFFSET, host_id
+from cache_service.server.attachments import Attachments
 from cache_service.store.tiered_store import TieredStore
 from cache_service.protocol.messages import (RequestError, hashes_from_pb, invalid, ns_from_pb, require_ns, session_from_pb,
                                 session_to_pb, stats_to_pb)

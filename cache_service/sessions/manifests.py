@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from cache_service.blocks.keys import Namespace, chain_hashes
+from cache_service.blocks.keys import Namespace, chain_hashes, tenant_keys
 from tiers.types import BlockHash, TierKVError
 
 if TYPE_CHECKING:
@@ -146,8 +146,6 @@ class TenantView:
     empty tenant sees the store as is. `close` leaves the store open."""
 
     def __init__(self, store: "TieredStore", tenant: str = "") -> None:
-        from cache_service.server.auth import tenant_keys  # lazy: auth imports this module
-
         self.base, self.tenant = store, check_id(tenant, "tenant") if tenant else ""
         self._keys = tenant_keys
 

@@ -35,12 +35,12 @@ import grpc
 import torch
 
 from cache_service.protocol import streaming as framing
-from cache_service.server.auth import channel_credentials
-from cache_service.server.data_path import LaneLink
+from cache_service.protocol.tls import channel_credentials
 from cache_service.blocks.keys import Namespace
 from cache_service.blocks.objects import object_size
 from cache_service.protocol.segment import host_id
 from cache_service.protocol.messages import check_payloads, stats_from_pb
+from connectors.grpc.data_path import LaneLink
 from connectors.grpc.same_host import ProtocolError, SameHost, ns_pb as _ns
 from connectors.grpc.sessions import RemoteSessions
 from proto import tierkv_pb2 as pb

@@ -7,8 +7,7 @@ import threading
 
 from cache_service.store.tiered_store import TieredStore
 from connectors.client import CacheClient, connect
-from connectors.vllm.scheduler import RemoteLookup, is_local, lookup_address
-from connectors.vllm.worker import LookupServer
+from connectors.vllm.lookup import LookupServer, RemoteLookup, is_local, lookup_address
 from tiers.types import ConfigError, TierKVError, TierUnavailableError
 
 log = logging.getLogger("vllm.tierkv")

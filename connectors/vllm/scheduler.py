@@ -15,19 +15,12 @@ block that has KV, which may be part of a page.
 from __future__ import annotations
 
 import logging
-import socket
-import struct
-import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
-from urllib.parse import urlsplit
-
-import xxhash
 
 from cache_service.blocks.keys import Namespace, prefix_hashes
-from connectors.client import CacheClient, local_config
-from tiers.types import HASH_BYTES, BlockHash, ConfigError
+from connectors.client import CacheClient
+from tiers.types import BlockHash, ConfigError
 
 log = logging.getLogger("vllm.tierkv")  # under vLLM's logger, so its handler shows our lines
 _LOAD_FAILURE = ("recompute", "fail")
@@ -200,78 +193,3 @@ class SchedulerSide:
         """Forget `req_id`; True when a save was planned for it (the workers report its end)."""
         st = self._reqs.pop(req_id, None)
         return st is not None and st.saving
-
-
-# ------------------------------------------------------------- lookups across processes
-# vLLM may run its worker in another process than the scheduler (the CPU
-# backend does by default). An embedded store (local://) can be opened by one
-# process only, so the worker owns it and answers the scheduler's lookups over
-# an abstract Unix socket named after the store directory.
-# Wire: request b"L" + <I n> + n 16-byte hashes; reply <I held>.
-LOOKUP_REQUEST, LOOKUP_REPLY = struct.Struct("<cI"), struct.Struct("<I")
-
-
-def lookup_address(url: str) -> str:
-    """The abstract socket of the process that owns the embedded store of `url`."""
-    path = Path(local_config(url).tiers.disk.path).resolve()
-    return "\0tierkv-lookup-" + xxhash.xxh3_64_hexdigest(str(path).encode())
-
-
-class RemoteLookup:
-    """The scheduler's view of an embedded store owned by a worker process:
-    `lookup` only (all the scheduler needs). A failure is a miss."""
-
-    def __init__(self, address: str, timeout_s: float = 5.0) -> None:
-        self.address, self.timeout_s = address, timeout_s
-        self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
-        self.errors = 0
-
-    def lookup(self, hashes: Sequence[BlockHash]) -> int:
-        msg = LOOKUP_REQUEST.pack(b"L", len(hashes)) + b"".join(hashes)
-        with self._lock:
-            for attempt in range(2):  # one reconnect: the worker may have restarted its server
-                try:
-                    if self._sock is None:
-                        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                        self._sock.settimeout(self.timeout_s)
-                        self._sock.connect(self.address)
-                    self._sock.sendall(msg)
-                    return LOOKUP_REPLY.unpack(recv_exact(self._sock, LOOKUP_REPLY.size))[0]
-                except OSError as e:
-                    self._drop()
-                    if attempt:
-                        self.errors += 1
-                        log.warning("tierkv: lookup via the worker's store failed (%s); a miss", e)
-        return 0
-
-    def _drop(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def close(self) -> None:
-        with self._lock:
-            self._drop()
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
-def read_request(sock: socket.socket) -> list[BlockHash]:
-    op, n = LOOKUP_REQUEST.unpack(recv_exact(sock, LOOKUP_REQUEST.size))
-    if op != b"L":
-        raise ConnectionError(f"unknown lookup op {op!r}")
-    raw = recv_exact(sock, n * HASH_BYTES)
-    return [BlockHash(raw[i:i + HASH_BYTES]) for i in range(0, len(raw), HASH_BYTES)]
-
-
-def is_local(url: str) -> bool:
-    return urlsplit(url).scheme == "local"

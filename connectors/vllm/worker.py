@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -30,7 +29,7 @@ from torch import Tensor
 from cache_service.blocks.keys import KV_DTYPES, Namespace, prefix_hashes
 from connectors.client import CacheClient
 from connectors.vllm.pages import CpuPageLayout, PagedKV
-from connectors.vllm.scheduler import LOOKUP_REPLY, Transfer, read_request
+from connectors.vllm.scheduler import Transfer
 from tiers.types import ConfigError
 
 log = logging.getLogger("vllm.tierkv")  # under vLLM's logger, so its handler shows our lines
@@ -258,49 +257,3 @@ class SaveQueue:
             self._queue.put(None)
             self._thread.join(timeout_s if done else 0.1)
         return done
-
-
-class LookupServer:
-    """Answers a scheduler's lookups against the store this worker owns
-    (see `connectors.vllm.scheduler.RemoteLookup`). One thread per connection."""
-
-    def __init__(self, client: CacheClient, address: str) -> None:
-        self.client, self.address = client, address
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(address)  # abstract: no file to clean up, gone with the process
-        self._sock.listen(8)
-        self._closed = False
-        threading.Thread(target=self._accept, name="tierkv-lookup", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="tierkv-lookup-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while not self._closed:
-                try:
-                    hashes = read_request(conn)
-                except (OSError, ConnectionError):
-                    return
-                try:
-                    held = self.client.lookup(hashes)
-                except Exception:  # dispatch boundary: a failing store answers "nothing held"
-                    log.exception("tierkv: lookup for the scheduler failed")
-                    held = 0
-                try:
-                    conn.sendall(LOOKUP_REPLY.pack(held))
-                except OSError:
-                    return
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()

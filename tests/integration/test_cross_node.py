@@ -22,7 +22,7 @@ from cache_service.factory import open_sessions, open_store
 from cache_service.blocks.keys import prefix_hashes
 from cache_service.sessions.manifests import SessionManager
 from engine import LLM, SamplingParams
-from tests.cache_service.store_helpers import NS, payload_for, same
+from tests.cache_service.store.store_helpers import NS, payload_for, same
 from tests.integration.conftest import S3Server
 
 pytestmark = pytest.mark.slow

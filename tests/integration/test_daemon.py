@@ -19,7 +19,7 @@ from connectors.grpc.client import GrpcClient
 from engine.cli import main
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
-from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
+from tests.cache_service.store.store_helpers import NS, OBJ, hashes, payload_for, same
 from tests.integration.daemon_process import DaemonProcess
 from tiers.types import TierUnavailableError
 

@@ -13,7 +13,7 @@ import pytest
 from cache_service.config import load_config
 from cache_service.factory import open_sessions, open_store
 from cache_service.sessions.manifests import Session, SessionStore
-from tests.cache_service.store_helpers import NS, OBJ, all_same, hashes, write_flushed
+from tests.cache_service.store.store_helpers import NS, OBJ, all_same, hashes, write_flushed
 from tests.integration.conftest import S3Server, servers
 from cache_service.directory.redis_directory import S3, RedisDirectory
 

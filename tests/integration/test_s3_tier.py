@@ -14,7 +14,7 @@ import torch
 from cache_service.config import load_config
 from cache_service.factory import open_store
 from cache_service.blocks.objects import HEADER_SIZE
-from tests.cache_service.store_helpers import NS, OBJ, all_same, hashes, write_flushed
+from tests.cache_service.store.store_helpers import NS, OBJ, all_same, hashes, write_flushed
 from tests.integration.conftest import S3Server, s3_answers, servers
 from tiers.s3 import S3Tier
 from tiers.types import ConfigError

@@ -2,7 +2,7 @@
 
 The expected canonical blocks are derived from vLLM's own reading of the
 layout ([2, num_blocks, block_size, H, D]), written as naive per-block loops.
-(The CPU layout is learned at run time: tests/vllm.)
+(The CPU layout is learned at run time: tests/connectors/vllm.)
 """
 
 import pytest

@@ -1,7 +1,7 @@
 """Bad input: malformed configs (hypothesis-generated) and `tierkv serve`
 arguments get one clear error naming the problem, and nothing stored is lost.
 Malformed RPCs are covered by the property test in
-tests/cache_service/test_server.py (test_malformed_requests_never_crash_the_daemon_or_lose_blocks)."""
+tests/cache_service/server/test_servicer.py (test_malformed_requests_never_crash_the_daemon_or_lose_blocks)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from cache_service.config import (Config, CpuConfig, DirectoryConfig, DiskConfig, HbmConfig, S3Config, StoreConfig,
                                   load_config)
-from tests.cache_service.store_helpers import NS, OBJ, hashes, make_store, payload_for, same
+from tests.cache_service.store.store_helpers import NS, OBJ, hashes, make_store, payload_for, same
 from tests.reliability.conftest import ROOT, cpu_disk_config, figure
 from tiers.types import ConfigError
 

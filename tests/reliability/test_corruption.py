@@ -15,7 +15,7 @@ from cache_service.blocks.keys import Namespace, prefix_hashes
 from cache_service.blocks.objects import HEADER_SIZE, encode
 from connectors.engine import EngineConnector
 from engine import LLM, SamplingParams
-from tests.cache_service.store_helpers import NS, OBJ, hashes, make_store, payload_for, same
+from tests.cache_service.store.store_helpers import NS, OBJ, hashes, make_store, payload_for, same
 from tests.reliability.conftest import figure
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from connectors.grpc.client import GrpcClient
-from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
+from tests.cache_service.store.store_helpers import NS, OBJ, hashes, payload_for, same
 from tests.reliability.conftest import cpu_disk_config, figure
 
 pytestmark = pytest.mark.slow

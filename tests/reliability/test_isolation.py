@@ -10,7 +10,7 @@ from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
-from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
+from tests.cache_service.store.store_helpers import NS, OBJ, hashes, payload_for, same
 from tests.reliability.conftest import cpu_disk_config, figure
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 
 from cache_service.config import load_config
 from cache_service.factory import open_store
-from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
+from tests.cache_service.store.store_helpers import NS, OBJ, hashes, payload_for, same
 from tests.reliability.conftest import figure, servers
 
 pytestmark = pytest.mark.slow

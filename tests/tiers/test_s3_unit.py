@@ -16,7 +16,7 @@ import torch
 
 from cache_service.config import load_config
 from cache_service.factory import open_store
-from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
+from tests.cache_service.store.store_helpers import NS, OBJ, hashes, payload_for, same
 from tiers.s3 import S3Tier
 from tiers.types import CapacityError, ConfigError, TierKVError
 

@@ -9,13 +9,13 @@ import socket
 import grpc
 import pytest
 
-from cache_service.server import socket_server as doorbell
+from cache_service.protocol import frames
 from cache_service.protocol.socket_client import Bell, BellError
 from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
-from tests.cache_service.store_helpers import NS, hashes
-from tests.cache_service.test_server import TOKENS, intact, put, start, url  # noqa: F401 (fixture)
+from tests.cache_service.store.store_helpers import NS, hashes
+from tests.cache_service.server.test_servicer import TOKENS, intact, put, start, url  # noqa: F401 (fixture)
 
 Code = grpc.StatusCode
 
@@ -65,7 +65,7 @@ def test_bad_frames_get_status_codes_and_never_crash_the_daemon(start):
         bell = Bell(d.doorbell.path, None, 5.0)
         try:
             # a malformed body and an unknown attachment are refused; the connection goes on
-            assert _refused(lambda: bell.ask(doorbell.LOAD_SHM, b"\xff\xff\xff"))[0] == Code.INVALID_ARGUMENT
+            assert _refused(lambda: bell.ask(frames.LOAD_SHM, b"\xff\xff\xff"))[0] == Code.INVALID_ARGUMENT
             req = pb.ShmRequest(ns=ns_to_pb(NS), hashes=hashes(4), attachment="nope")
             assert _refused(lambda: bell.call("LoadShm", req, pb.LoadShmReply))[0] == Code.NOT_FOUND
             # an unknown op (bytes of its own may follow it) is refused, then the connection ends

@@ -8,8 +8,8 @@ from cache_service.blocks.objects import HEADER_SIZE, encode
 from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
-from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
-from tests.cache_service.test_server import TOKENS, code_of, intact, put, raw, start, url  # noqa: F401, F811 (start: a fixture)
+from tests.cache_service.store.store_helpers import NS, OBJ, hashes, payload_for, same
+from tests.cache_service.server.test_servicer import TOKENS, code_of, intact, put, raw, start, url  # noqa: F401, F811 (start: a fixture)
 
 Code = grpc.StatusCode
 

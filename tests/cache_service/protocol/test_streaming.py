@@ -10,7 +10,7 @@ from cache_service.protocol.streaming import (FramingError, LoadReader, ObjectRe
 from cache_service.blocks.objects import HEADER_SIZE, decode, encode
 from cache_service.protocol.messages import ns_to_pb
 from proto import tierkv_pb2 as pb
-from tests.cache_service.store_helpers import NS, OBJ, hashes, payload_for, same
+from tests.cache_service.store.store_helpers import NS, OBJ, hashes, payload_for, same
 from tiers.types import CorruptBlockError
 
 P = NS.payload_bytes

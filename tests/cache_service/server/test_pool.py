@@ -20,8 +20,8 @@ from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
 from connectors.grpc.same_host import _chunks
 from proto import tierkv_pb2 as pb
-from tests.cache_service.store_helpers import NS, hashes, payload_for
-from tests.cache_service.test_server import TOKENS, intact, put, start, url  # noqa: F401 (fixture)
+from tests.cache_service.store.store_helpers import NS, hashes, payload_for
+from tests.cache_service.server.test_servicer import TOKENS, intact, put, start, url  # noqa: F401 (fixture)
 
 Code = grpc.StatusCode
 S = object_size(NS)

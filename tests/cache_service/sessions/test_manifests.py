@@ -12,7 +12,7 @@ import pytest
 
 from cache_service.blocks.keys import prefix_hashes
 from cache_service.sessions.manifests import Session, SessionError, SessionManager, SessionStore
-from tests.cache_service.store_helpers import NS, make_store, payload_for, same
+from tests.cache_service.store.store_helpers import NS, make_store, payload_for, same
 
 TOKENS = list(range(100, 124))  # six blocks of four tokens
 

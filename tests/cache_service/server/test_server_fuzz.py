@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 
 from cache_service.server.daemon import Daemon
 from cache_service.protocol.socket_client import Bell
-from cache_service.server.data_path import LOAD
+from cache_service.protocol.frames import LOAD
 from cache_service.server.servicer import ServerSettings
 from cache_service.protocol.segment import Segment
 from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
-from tests.cache_service.store_helpers import NS, hashes, make_store
-from tests.cache_service.test_server import P, intact, put, raw, url
+from tests.cache_service.store.store_helpers import NS, hashes, make_store
+from tests.cache_service.server.test_servicer import P, intact, put, raw, url
 
 Code = grpc.StatusCode
 REPLIES = {"LoadShm": pb.LoadShmReply, "Reserve": pb.ReserveReply, "Commit": pb.CommitReply}

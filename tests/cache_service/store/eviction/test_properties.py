@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_service.store.eviction import POLICIES, make_policy
-from tests.cache_service.test_eviction import H, access, no_pins
+from tests.cache_service.store.eviction.test_policies import H, access, no_pins
 from tiers.types import BlockHash
 
 

@@ -29,9 +29,9 @@ import torch
 
 from cache_service.blocks.keys import Namespace, prefix_hashes
 from connectors.client import connect
-from tests.vllm.oracle import blocks_as_tokens, same, tokens
+from tests.connectors.vllm.oracle import blocks_as_tokens, same, tokens
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # ------------------------------------------------------------- the real vLLM CPU build
@@ -64,11 +64,11 @@ def child_env() -> dict[str, str]:
 
 
 def run_vllm(py: Path, out: Path, spec: dict) -> tuple[dict, dict]:
-    """One vLLM process running tests/vllm/vllm_child.py; returns its result and probe records."""
+    """One vLLM process running tests/connectors/vllm/vllm_child.py; returns its result and probe records."""
     out.mkdir(parents=True)
     (out / "spec.json").write_text(json.dumps(spec))
     with open(out / "log.txt", "w") as log:
-        res = subprocess.run([str(py), "-m", "tests.vllm.vllm_child", str(out / "spec.json"), str(out)],
+        res = subprocess.run([str(py), "-m", "tests.connectors.vllm.vllm_child", str(out / "spec.json"), str(out)],
                              cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT, timeout=480)
     assert res.returncode == 0, (out / "log.txt").read_text()[-4000:]
     kv = out / "kv.pt"

@@ -22,7 +22,7 @@ from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
-from tests.cache_service.store_helpers import NS, OBJ, hashes, make_store, payload_for, same
+from tests.cache_service.store.store_helpers import NS, OBJ, hashes, make_store, payload_for, same
 from tiers.types import TierUnavailableError
 
 P = NS.payload_bytes

@@ -10,9 +10,9 @@ import pytest
 from cache_service.config import load_config
 from cache_service.factory import open_store
 from cache_service.blocks.objects import encode
-from tests.cache_service.store_helpers import NS, OBJ, all_same, hashes, make_store, payload_for, same
+from tests.cache_service.store.store_helpers import NS, OBJ, all_same, hashes, make_store, payload_for, same
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_thousand_blocks_through_small_cpu_over_disk_all_load_back(tmp_path):
@@ -47,7 +47,7 @@ def test_lookup_is_the_longest_stored_prefix(tmp_path):
 
 def test_disk_blocks_survive_a_new_process(tmp_path):
     # a child process stores blocks and exits; this process reopens the disk tier
-    code = ("import sys; from tests.cache_service.store_helpers import *;"
+    code = ("import sys; from tests.cache_service.store.store_helpers import *;"
             "s = make_store(sys.argv[1], cpu_blocks=8, disk_blocks=512); hs = hashes(200);"
             "s.store(NS, hs, [payload_for(h) for h in hs]); s.close()")
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, cwd=ROOT, timeout=120)

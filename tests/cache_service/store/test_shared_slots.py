@@ -7,7 +7,7 @@ import pytest
 from cache_service.store.shared_slots import HELD, NO_ROOM
 from cache_service.blocks.objects import encode_objects
 from tiers.types import CorruptBlockError
-from tests.cache_service.store_helpers import NS, all_same, hashes, make_store, payload_for, write_flushed
+from tests.cache_service.store.store_helpers import NS, all_same, hashes, make_store, payload_for, write_flushed
 
 
 def _direct(store, hs) -> list[int]:

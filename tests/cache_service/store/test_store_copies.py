@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cache_service.blocks.objects import HEADER_SIZE, decode, encode, encode_into
-from tests.cache_service.store_helpers import NS, OBJ, hashes, make_store, payload_for, same
+from tests.cache_service.store.store_helpers import NS, OBJ, hashes, make_store, payload_for, same
 from tiers.cpu import CpuTier
 from tiers.types import CorruptBlockError
 

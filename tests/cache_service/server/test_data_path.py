@@ -9,15 +9,16 @@ import time
 import grpc
 import pytest
 
-from cache_service.server import socket_server as doorbell
-from cache_service.server.data_path import LOAD, STORE, Lane
+from cache_service.protocol import frames
+from cache_service.protocol.frames import LOAD, STORE
+from connectors.grpc.data_path import Lane
 from cache_service.blocks.objects import HEADER_SIZE, encode, object_size
 from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
-from tests.cache_service.store_helpers import NS, hashes, payload_for, same
-from tests.cache_service.test_doorbell import _refused
-from tests.cache_service.test_server import TOKENS, intact, put, start, url  # noqa: F401 (fixture)
+from tests.cache_service.store.store_helpers import NS, hashes, payload_for, same
+from tests.cache_service.server.test_socket_server import _refused
+from tests.cache_service.server.test_servicer import TOKENS, intact, put, start, url  # noqa: F401 (fixture)
 
 Code = grpc.StatusCode
 S = object_size(NS)
@@ -120,9 +121,9 @@ def test_a_client_vanishing_mid_store_stores_nothing(start):
     head = pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs).SerializeToString()
     # HELLO, the STORE frame and half the objects, then the client is gone
     with socket.create_connection(("127.0.0.1", d.servicer.lane_port), timeout=10) as s:
-        doorbell.send(s, doorbell.HELLO, b"")
-        assert doorbell.receive(s)[0] == 0
-        doorbell.send(s, STORE, head)
+        frames.send(s, frames.HELLO, b"")
+        assert frames.receive(s)[0] == 0
+        frames.send(s, STORE, head)
         s.sendall(b"".join(encode(NS, h, payload_for(h)).numpy().tobytes() for h in hs[:2]))
     # nothing stored (the call counts as cancelled, not as a daemon error), and the lane still serves others
     deadline = time.monotonic() + 5

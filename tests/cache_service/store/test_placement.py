@@ -8,7 +8,7 @@ import time
 from cache_service.store.eviction import make_policy
 from cache_service.blocks.objects import decode
 from cache_service.store.tiered_store import TieredStore
-from tests.cache_service.store_helpers import NS, OBJ, all_same, hashes, payload_for
+from tests.cache_service.store.store_helpers import NS, OBJ, all_same, hashes, payload_for
 from tiers.cpu import CpuTier
 from tiers.disk import DiskTier
 

@@ -1,16 +1,16 @@
 """TierKVConnector plus an observer that reads vLLM's pages independently.
 
-Loaded by vLLM through ``kv_connector_module_path="tests.vllm.kv_probe"``
+Loaded by vLLM through ``kv_connector_module_path="tests.connectors.vllm.kv_probe"``
 in the child processes of the vLLM tests. After every load (before the
 forward) and every save (after it) it records the transfer's raw pages and,
-where `tests.vllm.oracle` knows vLLM's CPU packing for this ISA, the K/V of
+where `tests.connectors.vllm.oracle` knows vLLM's CPU packing for this ISA, the K/V of
 the moved tokens decoded by plain indexing (not by our adapters), so the
 tests can compare what vLLM computed, what the store holds and what loaded.
 """
 from __future__ import annotations
 
 from connectors.vllm.connector import TierKVConnector, TierKVMetadata
-from tests.vllm.oracle import K_TRANSPOSED_ISAS, cpu_index, read_tokens
+from tests.connectors.vllm.oracle import K_TRANSPOSED_ISAS, cpu_index, read_tokens
 
 
 class ProbeTierKV(TierKVConnector):

@@ -12,7 +12,7 @@ from cache_service.blocks import keys
 from cache_service.blocks.keys import Namespace, chain_hashes, prefix_hashes
 from tiers.types import ConfigError
 
-SPEC = Path(__file__).resolve().parents[2] / "docs" / "hash-spec.md"
+SPEC = Path(__file__).resolve().parents[3] / "docs" / "hash-spec.md"
 
 
 def _vectors() -> dict:

@@ -11,10 +11,11 @@ import torch
 
 from cache_service.blocks.keys import Namespace, prefix_hashes
 from connectors.client import connect
-from connectors.vllm.scheduler import RemoteLookup, SchedulerSide, TierKVConfig, Transfer, lookup_address
+from connectors.vllm.lookup import LookupServer, RemoteLookup, lookup_address
+from connectors.vllm.scheduler import SchedulerSide, TierKVConfig, Transfer
 from connectors.vllm.pages import CpuPageLayout, as_batch
-from connectors.vllm.worker import LookupServer, WorkerSide
-from tests.vllm.oracle import blocks_as_tokens, cpu_index, read_tokens, same, tokens
+from connectors.vllm.worker import WorkerSide
+from tests.connectors.vllm.oracle import blocks_as_tokens, cpu_index, read_tokens, same, tokens
 from tiers.types import ConfigError, TierUnavailableError
 
 NS = Namespace("unit-model", "bfloat16", num_layers=2, kv_heads=2, head_dim=8, block_tokens=16)

@@ -10,8 +10,8 @@ from cache_service.protocol.segment import Segment
 from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
-from tests.cache_service.store_helpers import NS, hashes, payload_for, same
-from tests.cache_service.test_server import code_of, intact, put, raw, start, url  # noqa: F401 (fixture)
+from tests.cache_service.store.store_helpers import NS, hashes, payload_for, same
+from tests.cache_service.server.test_servicer import code_of, intact, put, raw, start, url  # noqa: F401 (fixture)
 
 S = object_size(NS)
 

@@ -10,13 +10,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cache_service.server.auth import load_tokens, tenant_keys
+from cache_service.blocks.keys import tenant_keys
+from cache_service.server.auth import load_tokens
 from cache_service.sessions.manifests import Session
 from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
-from tests.cache_service.store_helpers import NS, hashes
-from tests.cache_service.test_server import (P, TOKENS, bearer, code_of, intact, put, raw, scrape,  # noqa: F401
+from tests.cache_service.store.store_helpers import NS, hashes
+from tests.cache_service.server.test_servicer import (P, TOKENS, bearer, code_of, intact, put, raw, scrape,  # noqa: F401
                                              start, url)
 from tiers.types import ConfigError, TierUnavailableError
 

@@ -1,6 +1,6 @@
 """Child process of the vLLM tests: one vLLM engine, greedy requests in order.
 
-    <vllm venv>/bin/python -m tests.vllm.vllm_child SPEC.json OUT_DIR
+    <vllm venv>/bin/python -m tests.connectors.vllm.vllm_child SPEC.json OUT_DIR
 
 SPEC keys: ``model`` (dir), ``url``, ``dtype``, ``requests`` (list of
 ``{"name", "prompt": [ids], "max_tokens"}``), optional ``bad_extra`` (an extra
@@ -31,7 +31,7 @@ def _make_llm(spec: dict, extra: dict):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    name, module = ("ProbeTierKV", "tests.vllm.kv_probe") if spec.get("inproc", True) else \
+    name, module = ("ProbeTierKV", "tests.connectors.vllm.kv_probe") if spec.get("inproc", True) else \
         ("TierKVConnector", "connectors.vllm")
     ktc = KVTransferConfig(kv_connector=name, kv_connector_module_path=module,
                            kv_role="kv_both", kv_connector_extra_config=extra)

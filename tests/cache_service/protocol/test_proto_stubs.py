@@ -12,7 +12,7 @@ import pytest
 from cache_service.blocks.keys import Namespace
 from proto import tierkv_pb2 as pb
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 STUBS = ("tierkv_pb2.py", "tierkv_pb2_grpc.py", "tierkv_pb2.pyi")
 
 

@@ -1,0 +1,159 @@
+"""The client end of the daemon's TCP data path (server end and wire format:
+cache_service/server/data_path.py): `Lane`, one connection carrying LOAD and
+STORE as raw bytes, and `LaneLink`, which connects on first use and drops a
+connection whose call failed."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import torch
+
+from cache_service.blocks.keys import Namespace
+from cache_service.blocks.objects import HEADER_SIZE, object_size, sound_checksums
+from cache_service.protocol.frames import LOAD, STORE
+from cache_service.protocol.messages import ns_to_pb, torch_dtype
+from cache_service.protocol.socket_client import Bell, BellError
+from cache_service.protocol.streaming import encode_pieces
+from proto import tierkv_pb2 as pb
+from tiers.arena import Arena
+from tiers.types import BlockHash
+
+log = logging.getLogger("tierkv.client")
+
+
+class Lane:
+    """The client end: one TCP connection, one call at a time (callers lock)."""
+
+    def __init__(self, host: str, port: int, token: str | None, timeout_s: float, batch_bytes: int) -> None:
+        # a port the client cannot reach (a firewall, a proxy in front of gRPC only) costs seconds, not timeout_s
+        self._bell = Bell((host, port), token, timeout_s, connect_timeout_s=min(timeout_s, 3.0))
+        self.batch_bytes = batch_bytes
+        self._arena = Arena()
+        self.corrupt = 0  # loaded blocks that failed their checks (treated as misses)
+
+    def _parts(self, n: int, ns: Namespace) -> list[range]:
+        per = max(1, self.batch_bytes // object_size(ns))
+        return [range(i, min(n, i + per)) for i in range(0, n, per)]
+
+    def load(self, ns: Namespace, hashes: list[BlockHash]) -> list[torch.Tensor | None]:
+        """Verified payloads, None per miss: views of one buffer for the whole
+        load (reused by a later load once the caller dropped them)."""
+        rows = self._arena.matrix(len(hashes), object_size(ns))
+        out: list[torch.Tensor | None] = []
+        for r in self._parts(len(hashes), ns):
+            out += self._load(ns, hashes[r.start:r.stop], rows[r.start:r.stop])
+        return out
+
+    def _load(self, ns: Namespace, hashes: list[BlockHash], rows: torch.Tensor) -> list[torch.Tensor | None]:
+        """One call; its hits land at the front of `rows`, in request order."""
+        S = object_size(ns)
+        body = self._bell.ask(LOAD, pb.LoadRequest(ns=ns_to_pb(ns), hashes=hashes).SerializeToString())
+        sizes: list[int] = []
+        found: list[int] = []
+        good: list[bool] = []
+        while True:  # a group: its sizes, then its hits' objects, checked while the daemon sends the next
+            group = list(pb.LoadShmReply.FromString(body).sizes)
+            if not group and hashes or len(sizes) + len(group) > len(hashes) or any(
+                    s not in (0, ns.payload_bytes) for s in group):  # whatever follows cannot be framed
+                raise BellError(grpc.StatusCode.UNAVAILABLE, f"daemon announced sizes {group[:8]}... after "
+                                f"{len(sizes)} of {len(hashes)} blocks of {ns.payload_bytes} bytes")
+            hits = [len(sizes) + i for i, s in enumerate(group) if s]
+            part = rows[len(found): len(found) + len(hits)]
+            if hits:
+                self._bell.recv_into(memoryview(part.numpy()).cast("B"))
+                good += self._check(part, ns, [hashes[i] for i in hits])
+            sizes, found = sizes + group, found + hits
+            if len(sizes) == len(hashes):
+                break
+            body = self._bell.reply()
+        item = torch_dtype(ns).itemsize
+        payloads = rows[:len(found)].view(torch_dtype(ns)).view(len(found), S // item)[:, HEADER_SIZE // item:]
+        out: list[torch.Tensor | None] = [None] * len(hashes)
+        for i, p, ok in zip(found, payloads.reshape(len(found), *ns.block_shape).unbind(0), good):
+            out[i] = p if ok else None
+        return out
+
+    def _check(self, rows: torch.Tensor, ns: Namespace, hashes: list[BlockHash]) -> list[bool]:
+        """Per object: header and checksum as (ns, hash) needs; a failure is a miss."""
+        if not hashes:
+            return []
+        good = [c is not None for c in sound_checksums(rows, ns, hashes)]
+        if not all(good):
+            self.corrupt += good.count(False)
+            log.warning("tierkv data lane: %d loaded blocks failed their checks; treated as misses", good.count(False))
+        return good
+
+    def store(self, ns: Namespace, hashes: list[BlockHash], payloads: list[torch.Tensor]) -> int:
+        """Objects sent from the caller's payloads (checksummed here, not
+        copied); returns how many were new to the daemon's top tier."""
+        stored = 0
+        for r in self._parts(len(hashes), ns):
+            hs = hashes[r.start:r.stop]
+            # each block hashed just before it is sent, while the daemon reads the one before
+            pieces = (piece for h, p in zip(hs, payloads[r.start:r.stop]) for piece in encode_pieces(ns, h, p))
+            head = pb.StoreChunk(ns=ns_to_pb(ns), hashes=hs).SerializeToString()
+            stored += pb.StoreReply.FromString(self._bell.ask(STORE, head, pieces)).stored
+        return stored
+
+    def close(self) -> None:
+        self._bell.close()
+
+
+class LaneLink:
+    """A client's lane to one daemon: connected on first use, one call at a
+    time, dropped when a call fails and tried again on a later call (at once
+    after a refused call, after `retry_s` when the connection broke)."""
+
+    def __init__(self, host: str, port: int, token: str | None, timeout_s: float, batch_bytes: int,
+                 retry_s: float = 10.0) -> None:
+        self._args = (host, port, token, timeout_s, batch_bytes)
+        self.retry_s = retry_s
+        self._lane: Lane | None = None
+        self._retry_at, self._failures = 0.0, 0
+        self._lock = threading.Lock()
+
+    def load(self, ns: Namespace, hashes: list[BlockHash]) -> list[torch.Tensor | None] | None:
+        """As `Lane.load`; None when the lane cannot carry it now (use gRPC)."""
+        return self._run(ns, lambda lane: lane.load(ns, hashes))
+
+    def store(self, ns: Namespace, hashes: list[BlockHash], payloads: list[torch.Tensor]) -> int | None:
+        """As `Lane.store`; None when the lane cannot carry it now (use gRPC)."""
+        return self._run(ns, lambda lane: lane.store(ns, hashes, payloads))
+
+    def _run(self, ns: Namespace, call):
+        if object_size(ns) > self._args[4]:  # one block past the lane's batch: only gRPC takes it
+            return None
+        with self._lock:
+            if self._lane is None and time.monotonic() >= self._retry_at:
+                self._connect()
+            if self._lane is None:
+                return None
+            try:
+                return call(self._lane)
+            except Exception as e:  # any failure leaves the connection out of step: drop it
+                self._lane.close()
+                self._lane = None
+                if not isinstance(e, grpc.RpcError):
+                    e = BellError(grpc.StatusCode.UNAVAILABLE, f"data lane: {type(e).__name__}: {e}")
+                broke = e.code() == grpc.StatusCode.UNAVAILABLE
+                self._retry_at = time.monotonic() + (self.retry_s if broke else 0.0)
+                raise e from None
+
+    def _connect(self) -> None:
+        try:
+            self._lane = Lane(*self._args)
+            self._failures = 0
+        except (OSError, grpc.RpcError) as e:  # tried again later, less often each time (up to 5 minutes)
+            self._failures += 1
+            self._retry_at = time.monotonic() + min(300.0, self.retry_s * 2 ** (self._failures - 1))
+            log.info("tierkv data lane %s:%s unusable (%s); streaming through gRPC", *self._args[:2], e)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._lane is not None:
+                self._lane.close()
+                self._lane = None
+            self._retry_at = float("inf")
