@@ -1,7 +1,6 @@
 """Build a TieredStore from a typed Config (lazy tier registry, no ladder)."""
 from __future__ import annotations
 
-import importlib
 import os
 import socket
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from cache_service.sessions.manifests import Manifests, SessionStore
 from cache_service.sessions.shared import S3Manifests, SharedSessionStore
 from cache_service.store.tiered_store import TieredStore
 from tiers.base import Tier
+from tiers.registry import resolve
 
 if TYPE_CHECKING:
     from cache_service.directory.redis_directory import RedisDirectory
@@ -62,8 +62,7 @@ TIER_REGISTRY: dict[str, _Entry] = {
 def make_tier(kind: str, cfg: TierConfig) -> Tier:
     """Instantiate one tier from its config section."""
     entry = TIER_REGISTRY[kind]
-    module, cls = entry.target.split(":")
-    return getattr(importlib.import_module(module), cls)(**entry.kwargs(cfg))
+    return resolve(entry.target)(**entry.kwargs(cfg))
 
 
 def open_store(cfg: Config) -> TieredStore:

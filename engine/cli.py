@@ -6,9 +6,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
+
+from tiers.registry import resolve
 
 # name -> ("module:function adding its arguments", "module:function running it")
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -25,11 +26,6 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def _resolve(target: str):
-    module, fn = target.split(":")
-    return getattr(importlib.import_module(module), fn)
-
-
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierkv", description="Tiered KV-cache storage for LLM inference.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -38,7 +34,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for name, (add, _, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_)
         if name == wanted:  # import only the module of the command being run
-            _resolve(add)(p)
+            resolve(add)(p)
     return parser
 
 
@@ -51,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from tiers.types import TierKVError
 
     try:
-        return int(_resolve(COMMANDS[args.command][1])(args) or 0)
+        return int(resolve(COMMANDS[args.command][1])(args) or 0)
     except TierKVError as e:
         print(f"tierkv: error: {e}", file=sys.stderr)
         return 2

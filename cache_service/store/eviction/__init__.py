@@ -6,9 +6,8 @@ line here and one file beside this one.
 """
 from __future__ import annotations
 
-import importlib
-
 from cache_service.store.eviction.base import EvictionPolicy, PinnedFn
+from tiers.registry import resolve
 from tiers.types import ConfigError
 
 _REGISTRY: dict[str, str] = {
@@ -36,8 +35,7 @@ def policy_class(name: str, *, key: str = "eviction_policy") -> type[EvictionPol
     target = _REGISTRY.get(name) if isinstance(name, str) else None
     if target is None:
         raise ConfigError(f"{key}={name!r} is not a known eviction policy; valid choices: {', '.join(POLICIES)}")
-    module_name, class_name = target.split(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
+    cls = resolve(target)
     assert issubclass(cls, EvictionPolicy) and cls.name == name, f"registry entry {name!r} -> {target} is wrong"
     _loaded[name] = cls
     return cls
