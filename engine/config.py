@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from tiers.types import ConfigError, ModelError
+from engine.errors import ModelError
+from tiers.types import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LLAMA_FAMILY = {"llama", "mistral", "qwen2"}

@@ -17,17 +17,14 @@ from engine.block_manager import BlockManager
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.kv_connector import KVConnector
 from engine.model_runner import ModelRunner
+from engine.errors import PromptError
 from engine.models import resolve_model
 from engine.sampler import make_generator, sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence
-from tiers.types import ConfigError, TierKVError
+from tiers.types import ConfigError
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "PromptError"]
-
-
-class PromptError(TierKVError, ValueError):
-    """A prompt the engine cannot run (empty, too long, token ids out of range)."""
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from tiers.types import ModelError
+from engine.errors import ModelError
 
 
 class RMSNorm(nn.Module):

@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers / huggingface_hub are imported
 
-from tiers.types import ModelError  # noqa: E402
+from engine.errors import ModelError  # noqa: E402
 
 log = logging.getLogger(__name__)
 

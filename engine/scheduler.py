@@ -36,10 +36,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> ScheduledBatch:
         """Choose this step's (sequence, new tokens) pairs."""
         budget = self.cfg.max_num_batched_tokens

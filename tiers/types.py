@@ -32,14 +32,3 @@ class CapacityError(TierKVError):
 
 class TierUnavailableError(TierKVError):
     """A tier's backing service (disk, S3, Redis) cannot be reached."""
-
-
-class ModelError(TierKVError):
-    """Unknown model, or a model directory that cannot be loaded."""
-
-
-def check_hash(h: bytes) -> BlockHash:
-    """Validate and return `h` as a BlockHash (public-boundary check)."""
-    if not isinstance(h, (bytes, bytearray)) or len(h) != HASH_BYTES:
-        raise TierKVError(f"block hash must be {HASH_BYTES} bytes, got {h!r:.60}")
-    return BlockHash(bytes(h))

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from engine import LLM, PromptError, SamplingParams
-from tiers.types import ConfigError, ModelError, TierKVError
+from engine.errors import ModelError
+from tiers.types import ConfigError, TierKVError
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -120,7 +121,7 @@ def test_bad_inputs(tiny_llm_factory, tiny_prompts):
     with pytest.raises(PromptError, match="max_model_len 32"):
         llm.generate([[5, 6, 7], list(range(33))], GREEDY)
     # and nothing of that call stays queued
-    assert not llm.scheduler.has_work
+    assert not llm.scheduler.waiting and not llm.scheduler.running
     assert issubclass(PromptError, ValueError) and issubclass(PromptError, TierKVError)
     # so are an empty prompt and token ids outside the vocabulary
     with pytest.raises(PromptError):

@@ -10,7 +10,7 @@ import torch
 from engine.config import ModelConfig
 from engine.model import load_model
 from engine.models import resolve_model
-from tiers.types import ModelError
+from engine.errors import ModelError
 
 
 def test_tiny_random_is_byte_identical_when_rebuilt(tmp_path, monkeypatch, tiny_path):
