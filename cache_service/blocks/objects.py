@@ -171,7 +171,7 @@ def encode_flats(rows: torch.Tensor, slots: Sequence[int], ns: Namespace, hashes
         return
     table = rows.numpy()
     sums = copy_hashed([table[s, HEADER_SIZE:size] for s in slots], flats)
-    write_headers(rows, ns, hashes, sums, at=slots)
+    rehead(rows, ns, hashes, sums, at=slots)
 
 
 def _hash_rows(hashes: Sequence[BlockHash]) -> torch.Tensor:
@@ -221,36 +221,70 @@ def decode(obj: torch.Tensor, ns: Namespace, h: BlockHash, verify_payload: bool 
     return payload.view(dtype).view(ns.block_shape)
 
 
-def sound_checksums(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash],
-                    sums: Sequence[int] | None = None) -> list[int | None]:
-    """Per row of ``[n, object_size]`` objects: its payload checksum when its
-    header is exactly block hashes[i]'s under `ns` and its payload hashes to
-    that checksum, else None. `sums`: the payloads' checksums, if the caller
-    has them already (hashed as it copied them)."""
-    claims = claimed_checksums(rows, ns, hashes)
-    sums = sums if sums is not None else checksums(list(rows[:, HEADER_SIZE:].unbind(0)))
+# ---------------------------------------------------------------- verification
+# One API for every object that crosses a wire or a process: `verify` (a
+# checksum per object, None for a bad one), `require` (the checksums, or
+# CorruptBlockError with `diagnose`'s reason) and `rehead` (a tenant's keys:
+# same payload, new header). Objects come as ``[n, object_size]`` uint8 CPU
+# rows or as a sequence of memoryviews of object_size bytes (streamed objects,
+# where a few torch calls per block would cost more than the check).
+Objects = torch.Tensor | Sequence[memoryview]
+
+
+def verify(objs: Objects, ns: Namespace, hashes: Sequence[BlockHash],
+           sums: Sequence[int] | None = None) -> list[int | None]:
+    """Per object: its payload checksum when its header is exactly block
+    hashes[i]'s under `ns` and its payload hashes to that checksum, else
+    None. `sums`: the payloads' checksums, if the caller has them already
+    (hashed as it copied them)."""
+    if not isinstance(objs, torch.Tensor):
+        assert sums is None and len(objs) == len(hashes)
+        return [_verify_view(o, ns, h) for o, h in zip(objs, hashes)]
+    claims = claimed_checksums(objs, ns, hashes)
+    sums = sums if sums is not None else checksums(list(objs[:, HEADER_SIZE:].unbind(0)))
     return [c if c is not None and c == s else None for c, s in zip(claims, sums)]
 
 
-def checked_rows(rows: torch.Tensor, sent_ns: Namespace, sent: Sequence[BlockHash],
-                 sums: Sequence[int] | None = None) -> list[int]:
-    """The payload checksums of ``[n, object_size]`` objects a client encoded
-    under its own (namespace, hashes), after checking them in full
-    (`sound_checksums`). Raises CorruptBlockError (with decode's diagnosis
-    of the first bad object)."""
-    sums = sound_checksums(rows, sent_ns, sent, sums)
-    bad = next((i for i, c in enumerate(sums) if c is None), None)
+def _verify_view(obj: memoryview, ns: Namespace, h: BlockHash) -> int | None:
+    """`verify` of one view: the canonical header for its payload's checksum, compared whole."""
+    if len(obj) != object_size(ns):
+        return None
+    csum = xxhash.xxh3_64_intdigest(obj[HEADER_SIZE:])
+    return csum if obj[:HEADER_SIZE] == header(ns, h, csum) else None
+
+
+def require(objs: Objects, ns: Namespace, hashes: Sequence[BlockHash],
+            sums: Sequence[int] | None = None) -> list[int]:
+    """`verify`'s checksums when every object passes; else CorruptBlockError
+    saying what is wrong with the first bad one (`diagnose`)."""
+    got = verify(objs, ns, hashes, sums)
+    bad = next((i for i, c in enumerate(got) if c is None), None)
     if bad is not None:
-        decode(rows[bad], sent_ns, sent[bad], verify_payload=True)  # names what is wrong
-        raise CorruptBlockError("bad object header")  # pragma: no cover (decode raised)
-    return sums
+        raise diagnose(objs[bad], ns, hashes[bad])
+    return got
 
 
-def write_headers(rows: torch.Tensor, ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int],
-                  at: Sequence[int] | None = None) -> None:
-    """Write the header of (ns, keys[i]) with payload checksum sums[i] over
-    the header bytes of row i of `rows`, or of row at[i] (a shared pool's slots)."""
+def diagnose(obj: torch.Tensor | memoryview, ns: Namespace, h: BlockHash) -> CorruptBlockError:
+    """What `decode` finds wrong with an object that failed `verify`."""
+    if not isinstance(obj, torch.Tensor):
+        obj = torch.frombuffer(bytearray(obj), dtype=torch.uint8)
+    try:
+        decode(obj, ns, h, verify_payload=True)
+    except CorruptBlockError as e:
+        return e
+    return CorruptBlockError("header is not canonical (reserved bytes set)")
+
+
+def rehead(rows: Objects, ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int],
+           at: Sequence[int] | None = None) -> None:
+    """Head object i of `rows` (or row at[i]: a shared pool's slots) as block
+    keys[i] under `ns` with payload checksum sums[i]: the payloads stay, only
+    the headers are written (a tenant's keys, a freshly filled slot)."""
     if not len(keys):
+        return
+    if not isinstance(rows, torch.Tensor):  # writable views
+        for i, (k, c) in enumerate(zip(keys, sums)):
+            rows[at[i] if at is not None else i][:HEADER_SIZE] = header(ns, k, c)
         return
     heads = torch.frombuffer(bytearray(b"".join(header(ns, k, c) for k, c in zip(keys, sums))),
                              dtype=torch.uint8).view(-1, HEADER_SIZE)
@@ -260,10 +294,21 @@ def write_headers(rows: torch.Tensor, ns: Namespace, keys: Sequence[BlockHash], 
         rows[:, :HEADER_SIZE].index_copy_(0, torch.tensor(list(at), dtype=torch.long), heads)
 
 
-def adopt_rows(rows: torch.Tensor, sent_ns: Namespace, sent: list[BlockHash], ns: Namespace,
-               keys: list[BlockHash]) -> None:
-    """`checked_rows`, then the objects re-headed in place for the store's
-    (tenant namespace, keys) when those differ from what the client sent."""
-    sums = checked_rows(rows, sent_ns, sent)
-    if (sent_ns, list(sent)) != (ns, list(keys)):  # a tenant's keys: the payloads stay, only headers change
-        write_headers(rows, ns, keys, sums)
+def adopt(rows: torch.Tensor, sent_ns: Namespace, sent: Sequence[BlockHash], ns: Namespace,
+          keys: Sequence[BlockHash], sums: Sequence[int] | None = None) -> list[int]:
+    """`require` of objects a client encoded under its own (namespace,
+    hashes), then `rehead` for the store's (ns, keys) when those differ.
+    Their payload checksums."""
+    got = require(rows, sent_ns, sent, sums)
+    if (sent_ns, list(sent)) != (ns, list(keys)):
+        rehead(rows, ns, keys, got)
+    return got
+
+
+# Former names, kept until the store moves to the API above (then deleted).
+sound_checksums, checked_rows, write_headers = verify, require, rehead
+
+
+def adopt_rows(rows, sent_ns, sent, ns, keys) -> None:
+    """Former name of `adopt`."""
+    adopt(rows, sent_ns, sent, ns, keys)

@@ -1,6 +1,7 @@
-"""The frame format of tierkv's framed sockets (the same-host socket, the TCP
-data path): little-endian u32 body length, u8 op (request) or status code
-(reply), then the body. Both ends import this module and nothing else of
+"""The frame format of tierkv's framed sockets (the daemon's same-host socket,
+its TCP data path, the vLLM lookups): little-endian u32 body length, u8 op
+(request, protocol/ops.py) or status code (reply, a grpc.StatusCode's
+number), then the body. Both ends import this module and nothing else of
 each other."""
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import struct
 import grpc
 
 FRAME = struct.Struct("<IB")
-HELLO, LOAD_SHM, STORE_SHM, LOAD, STORE, MAP_POOL, RESERVE, COMMIT = 0, 1, 2, 3, 4, 5, 6, 7
-NAMES = {"LoadShm": LOAD_SHM, "StoreShm": STORE_SHM, "MapPool": MAP_POOL, "Reserve": RESERVE, "Commit": COMMIT}
 MAX_BODY = 16 << 20  # a ShmRequest of the daemon's max_blocks hashes is ~1.2 MB
 HELLO_BODY = 4096  # what a peer may send before it has shown a token
 HELLO_TIMEOUT_S = 10.0  # for the HELLO, and for the bytes of a call once its frame came
 CALL_TIMEOUT_S = 120.0
+OK = grpc.StatusCode.OK.value[0]
 CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -34,7 +34,7 @@ def receive(sock: socket.socket, max_body: int = MAX_BODY) -> tuple[int, bytes] 
         return None
     n, tag = FRAME.unpack(head)
     if n > max_body:
-        raise ConnectionError(f"doorbell frame of {n} bytes exceeds {max_body}")
+        raise ConnectionError(f"frame of {n} bytes exceeds {max_body}")
     return tag, exactly(sock, n)
 
 

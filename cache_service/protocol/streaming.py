@@ -29,11 +29,11 @@ import xxhash
 from google.protobuf.message import DecodeError
 
 from cache_service.blocks.keys import Namespace
-from cache_service.blocks.objects import HEADER_SIZE, decode, object_size
+from cache_service.blocks.objects import HEADER_SIZE, object_size, rehead, require, verify
 from cache_service.blocks.objects import header as header_bytes
 from cache_service.protocol.messages import as_payload
 from proto import tierkv_pb2 as pb
-from tiers.types import BlockHash, CorruptBlockError, TierKVError
+from tiers.types import BlockHash, TierKVError
 
 WIRE_VERSION = "tierkv-daemon/2"  # Hello's version: /2 carries whole objects in Load and Store
 LOAD_DATA, STORE_DATA = 2, 3  # field numbers of `data` in LoadChunk and StoreChunk
@@ -190,23 +190,6 @@ class StoreMessage:
 # ---------------------------------------------------------------- objects
 # Per-block work below stays on memoryviews and xxhash: a few torch calls per
 # block cost more than checking or copying a small block.
-def _checksum_if_valid(obj: memoryview, ns: Namespace, h: BlockHash) -> int | None:
-    """The payload checksum of `obj` (object_size(ns) bytes) if its header is
-    exactly block h's under `ns` for that payload (what claimed_checksum and
-    checksum check together), else None."""
-    csum = xxhash.xxh3_64_intdigest(obj[HEADER_SIZE:])  # objects.checksum of the payload
-    return csum if obj[:HEADER_SIZE] == header_bytes(ns, h, csum) else None
-
-
-def _diagnosis(obj: memoryview, ns: Namespace, h: BlockHash) -> CorruptBlockError:
-    """What decode finds wrong with an object that failed _checksum_if_valid."""
-    try:
-        decode(torch.frombuffer(bytearray(obj), dtype=torch.uint8), ns, h, verify_payload=True)
-    except CorruptBlockError as e:
-        return e
-    return CorruptBlockError("header is not canonical (reserved bytes set)")
-
-
 def encode_pieces(ns: Namespace, h: BlockHash, payload: torch.Tensor) -> list:
     """Block h's object as wire pieces: its header (carrying the payload's
     checksum) and a view of the payload's bytes (no copy)."""
@@ -220,7 +203,7 @@ def object_pieces(obj: memoryview, ns: Namespace, key: BlockHash, sent_ns: Names
     else a new header and its payload. None if its header is not canonical."""
     if (sent_ns, h) == (ns, key):
         return [obj]
-    csum = _checksum_if_valid(obj, ns, key)
+    csum = verify([obj], ns, [key])[0]
     return None if csum is None else [header_bytes(sent_ns, h, csum), obj[HEADER_SIZE:]]
 
 
@@ -229,14 +212,13 @@ def admit(obj: memoryview, sent_ns: Namespace, h: BlockHash, ns: Namespace, key:
     for the store's (ns, key): a tensor over it when those agree (read-only
     when `obj` is), else a copy with the store's header. Raises
     CorruptBlockError saying what is wrong."""
-    csum = _checksum_if_valid(obj, sent_ns, h)
-    if csum is None:
-        raise _diagnosis(obj, sent_ns, h)
+    csum = require([obj], sent_ns, [h])[0]
     if (sent_ns, h) == (ns, key):
         return torch.frombuffer(obj, dtype=torch.uint8)
     out = torch.empty(len(obj), dtype=torch.uint8)
     view = memoryview(out.numpy())
-    view[:HEADER_SIZE], view[HEADER_SIZE:] = header_bytes(ns, key, csum), obj[HEADER_SIZE:]
+    view[HEADER_SIZE:] = obj[HEADER_SIZE:]
+    rehead([view], ns, [key], [csum])
     return out
 
 
@@ -308,7 +290,7 @@ class LoadReader:
             self._announce(sizes)
         for obj in self._objects.feed(data):
             i = self._hits.popleft()
-            if _checksum_if_valid(obj, self.ns, self.hashes[i]) is None:
+            if verify([obj], self.ns, [self.hashes[i]])[0] is None:
                 self.corrupt += 1
                 continue
             payload = torch.empty(self.ns.payload_bytes, dtype=torch.uint8)

@@ -37,7 +37,7 @@ from grpc_reflection.v1alpha import reflection
 from cache_service.protocol.tls import server_credentials
 from cache_service.server.auth import AuthInterceptor, Authenticator
 from cache_service.config import Config, default_cache_dir
-from cache_service.server.socket_server import Doorbell
+from cache_service.server.socket_server import DaemonSocketServer
 from cache_service.factory import open_store
 from cache_service.protocol.streaming import StoreMessage
 from cache_service.server.data_path import HANDLERS
@@ -86,8 +86,8 @@ class Daemon:
         reflection.enable_server_reflection(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self.server)
         self.port = self._bind()
-        self.doorbell: Doorbell | None = None
-        self.lane: Doorbell | None = None
+        self.doorbell: DaemonSocketServer | None = None
+        self.lane: DaemonSocketServer | None = None
         self.metrics_port: int | None = None
         self._stopped = threading.Event()
 
@@ -115,7 +115,7 @@ class Daemon:
             self.metrics_port = self.metrics.serve(s.metrics_port, s.metrics_host)
         self.server.start()
         try:  # the shared-memory calls' fast lane; without it clients ring through gRPC
-            self.doorbell = Doorbell(self.servicer, bulk=POOL_HANDLERS).start()
+            self.doorbell = DaemonSocketServer(self.servicer, bulk=POOL_HANDLERS).start()
             self.servicer.doorbell = self.doorbell.path
         except OSError as e:
             log.warning("no same-host doorbell socket (%s); shared-memory calls go through gRPC", e)
@@ -127,7 +127,7 @@ class Daemon:
         log.info("serving", extra={"fields": fields})
         return self
 
-    def _open_lane(self) -> Doorbell | None:
+    def _open_lane(self) -> DaemonSocketServer | None:
         """The streamed data lane (cache_service/server/data_path.py) on the listen host, unless off or TLS."""
         s = self.settings
         if s.lane_port is None or s.tls_cert:
@@ -139,7 +139,7 @@ class Daemon:
         except OSError as e:
             log.warning("no data lane on %s:%s (%s); streaming clients use gRPC", host, s.lane_port, e)
             return None
-        lane = Doorbell(self.servicer, listener=listener, bulk=HANDLERS).start()
+        lane = DaemonSocketServer(self.servicer, listener=listener, bulk=HANDLERS).start()
         self.servicer.lane_port = listener.getsockname()[1]
         return lane
 

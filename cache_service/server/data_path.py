@@ -1,10 +1,10 @@
-"""The streamed data lane: Load and Store as raw bytes over a TCP socket.
+"""The TCP data path: Load and Store as raw bytes over a TCP socket.
 
 gRPC's Python stack moves 1 MiB messages at 0.06-0.09 x memcpy on this
 kind of machine with no work on either side, a third of what a bare
 loopback socket does (docs/benchmarks.md). So the daemon also serves the
 two bulk calls on a plain TCP port (`HelloReply.lane_port`, on the gRPC
-listen address), with the doorbell's frames, HELLO token check, tenants,
+listen address), with the same-host socket's frames, HELLO token check, tenants,
 status codes and metrics (cache_service/server/socket_server.py):
 
 - LOAD: frame(LOAD, LoadRequest) -> frame(OK, LoadShmReply sizes), then the
@@ -19,7 +19,7 @@ status codes and metrics (cache_service/server/socket_server.py):
   after its reply (the stream is out of step).
 
 Calls carry at most `HelloReply.lane_batch_bytes` of objects; the client
-splits bigger ones. The lane is plain TCP, so a daemon serving TLS does not
+splits bigger ones. The data path is plain TCP, so a daemon serving TLS does not
 open it; clients then stream through gRPC.
 """
 from __future__ import annotations
@@ -29,12 +29,12 @@ import logging
 import grpc
 import torch
 
-from cache_service.protocol.frames import LOAD, STORE
-from cache_service.server.socket_server import Connection
+from cache_service.protocol.ops import Op
+from cache_service.protocol.socket_server import Connection
 from cache_service.blocks.keys import Namespace
 from cache_service.protocol.streaming import object_pieces
-from cache_service.blocks.objects import (HEADER_SIZE, checked_rows, checksum, object_size,
-                                   write_headers)
+from cache_service.blocks.objects import HEADER_SIZE, checksum, object_size, rehead, require
+from cache_service.protocol.batches import per_bytes, split
 from cache_service.server.rpc import parse
 from cache_service.protocol.messages import RequestError, hashes_from_pb, invalid, ns_from_pb
 from proto import tierkv_pb2 as pb
@@ -46,11 +46,11 @@ GROUP_BYTES = 8 << 20
 
 
 def _bounded(servicer, n: int, ns: Namespace) -> int:
-    """Object bytes of n blocks; RESOURCE_EXHAUSTED past the lane's batch size."""
+    """Object bytes of n blocks; RESOURCE_EXHAUSTED past the data path's batch size."""
     total = n * object_size(ns)
     if total > servicer.s.load_batch_bytes:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{n} block objects of {object_size(ns)} bytes exceed the lane's "
+                           f"{n} block objects of {object_size(ns)} bytes exceed the data path's "
                            f"{servicer.s.load_batch_bytes}-byte batch; split the call")
     return total
 
@@ -58,8 +58,7 @@ def _bounded(servicer, n: int, ns: Namespace) -> int:
 def _groups(n: int, object_bytes: int) -> list[range]:
     """A call's blocks in groups of about GROUP_BYTES: one group is read,
     checked or sent while the other side works on the one before."""
-    per = max(1, GROUP_BYTES // object_bytes)
-    return [range(i, min(n, i + per)) for i in range(0, n, per)]
+    return split(n, per_bytes(GROUP_BYTES, object_bytes))
 
 
 def _announced_bytes(head: pb.StoreChunk) -> int | None:
@@ -115,7 +114,7 @@ def serve_store(servicer, conn: Connection, body: bytes, tenant: str | None):
     try:
         sums = _read_checked(conn, rows, sent_ns, sent, into)
         if (sent_ns, sent) != (ns, keys):
-            write_headers(rows, ns, keys, sums)
+            rehead(rows, ns, keys, sums)
         stored = into.commit(sums) + servicer.store.store_objects(
             ns, [keys[j] for j in into.others], [rows[j] for j in into.others], verify=False)
     except BaseException:
@@ -137,7 +136,7 @@ def _read_checked(conn: Connection, rows: torch.Tensor, sent_ns: Namespace, sent
         conn.read_into(memoryview(rows[r.start:r.stop].numpy()).cast("B"))
         try:
             if bad is None:
-                sums += checked_rows(rows[r.start:r.stop], sent_ns, sent[r.start:r.stop], into.copy(rows, r))
+                sums += require(rows[r.start:r.stop], sent_ns, sent[r.start:r.stop], into.copy(rows, r))
         except CorruptBlockError as e:
             bad = e
     conn.unread = False
@@ -147,7 +146,7 @@ def _read_checked(conn: Connection, rows: torch.Tensor, sent_ns: Namespace, sent
 
 
 class _Slots:
-    """Where a lane STORE's objects go when the top tier is a shared pool:
+    """Where a data path STORE's objects go when the top tier is a shared pool:
     slots reserved up front, each object copied into its slot as its group
     arrives (hashed in the same pass: that is the check), the lot published
     at the end. Without a shared pool, or for blocks that get no slot, the
@@ -176,7 +175,7 @@ class _Slots:
         if not mine:
             return 0
         ks, ss = [self.keys[j] for j in mine], [self.slots[j] for j in mine]
-        write_headers(self.pool.rows, self.ns, ks, [sums[j] for j in mine], at=ss)
+        rehead(self.pool.rows, self.ns, ks, [sums[j] for j in mine], at=ss)
         self.slots = [-1] * len(self.keys)  # the store's now, published or handed back by commit
         return self.store.commit(self.ns, ks, self.ns, ks, ss)
 
@@ -185,4 +184,4 @@ class _Slots:
         self.slots = [-1] * len(self.keys)
 
 
-HANDLERS = {LOAD: ("Load", serve_load), STORE: ("Store", serve_store)}
+HANDLERS = {Op.LOAD: serve_load, Op.STORE: serve_store}

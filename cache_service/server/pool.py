@@ -1,10 +1,10 @@
 """The shared-pool store: a same-host client writes block objects straight
-into the daemon's host pool (cache_service/store/shared_slots.py), on the doorbell.
+into the daemon's host pool (cache_service/store/shared_slots.py), on the same-host socket (cache_service/server/socket_server.py).
 
 A client segment (cache_service/protocol/segment.py) makes a store cost two copies and
 two hash passes: the client encodes into its segment, the daemon checks the
 objects and copies them into its pool. When the top tier is a shared pool
-(`[tiers.cpu] shared`, on under `tierkv serve`), three doorbell ops make it
+(`[tiers.cpu] shared`, on under `tierkv serve`), three same-host socket ops make it
 one copy, hashed while in cache:
 
 - MAP_POOL (PoolRequest) -> PoolReply and, passed over the Unix socket, the
@@ -21,7 +21,7 @@ one copy, hashed while in cache:
   spares), are accepted, and a slot whose header is not its block's (never
   written) fails the call. A Commit may ask for spare slots, leased like
   the others but for no block yet: the client's next store fills them at
-  once instead of waiting for a Reserve (after idling, a doorbell round trip
+  once instead of waiting for a Reserve (after idling, a same-host socket round trip
   costs 0.4 ms here where it costs 0.05 ms back to back).
 
 Why this is safe enough to be on by default: one tenant only (another
@@ -39,8 +39,8 @@ import threading
 
 import grpc
 
-from cache_service.protocol.frames import COMMIT, MAP_POOL, RESERVE
-from cache_service.server.socket_server import Connection
+from cache_service.protocol.ops import Op
+from cache_service.protocol.socket_server import Connection
 from cache_service.blocks.objects import object_size
 from cache_service.server.rpc import parse
 from cache_service.protocol.messages import RequestError, hashes_from_pb, invalid, ns_from_pb
@@ -49,7 +49,7 @@ from tiers.types import BlockHash, CapacityError, CorruptBlockError
 
 
 class Lease:
-    """The slots one doorbell connection has reserved and not yet committed."""
+    """The slots one same-host socket connection has reserved and not yet committed."""
 
     def __init__(self, store) -> None:
         self.store = store
@@ -155,4 +155,4 @@ def commit(servicer, conn: Connection, body: bytes, tenant: str | None):
     return pb.CommitReply(stored=stored, spare=spare), []
 
 
-HANDLERS = {MAP_POOL: ("MapPool", map_pool), RESERVE: ("Reserve", reserve), COMMIT: ("Commit", commit)}
+HANDLERS = {Op.MAP_POOL: map_pool, Op.RESERVE: reserve, Op.COMMIT: commit}

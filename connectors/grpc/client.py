@@ -17,9 +17,9 @@ URL: ``grpc://host:port?transport=auto|shm|stream&tls=1&ca=/ca.pem&timeout=30``
 (add ``cert=/client.pem&key=/client.key`` for a daemon that wants client certificates).
 ``transport=auto`` (default) uses shared memory when the daemon runs on this
 host and can map a segment this process creates (cache_service/protocol/segment.py),
-ringing its calls on the daemon's doorbell socket (cache_service/server/socket_server.py)
+sending its calls over the daemon's same-host socket (server/socket_server.py)
 and storing straight into the daemon's host pool when it shares it
-(cache_service/server/pool.py; connectors/grpc/same_host.py); else it streams bytes, over the daemon's data lane (cache_service/server/data_path.py)
+(server/pool.py; connectors/grpc/same_host.py); else it streams bytes, over the daemon's TCP data path (server/data_path.py)
 when it has one, else through gRPC. The token comes from the ``token``
 argument or ``TIERKV_TOKEN``.
 """
@@ -40,7 +40,8 @@ from cache_service.blocks.keys import Namespace
 from cache_service.blocks.objects import object_size
 from cache_service.protocol.segment import host_id
 from cache_service.protocol.messages import check_payloads, stats_from_pb
-from connectors.grpc.data_path import LaneLink
+from cache_service.protocol.batches import split
+from connectors.grpc.data_path import DataPathLink
 from connectors.grpc.same_host import ProtocolError, SameHost, ns_pb as _ns
 from connectors.grpc.sessions import RemoteSessions
 from proto import tierkv_pb2 as pb
@@ -91,16 +92,16 @@ class GrpcClient:
                                                      response_deserializer=pb.StoreReply.FromString)
         self._near: SameHost | None = None  # the same-host paths, once shared memory works (connectors/grpc/same_host.py)
         self._last_log: dict[str, float] = {}
-        self.sessions = RemoteSessions(self)  # connectors/grpc/sessions.py
-        self._lane: LaneLink | None = None
+        self.sessions = RemoteSessions(self.admin)  # connectors/grpc/sessions.py
+        self._lane: DataPathLink | None = None  # the TCP data path (connectors/grpc/data_path.py)
         try:
             self.hello = self._hello(connect_timeout_s)
             self.transport = self._pick(transport or q.get("transport", "auto"), shm_bytes)
         except BaseException:
             self.close()
             raise
-        if self.hello.lane_port and not tls:  # streamed bytes skip gRPC's stack (cache_service/server/data_path.py)
-            self._lane = LaneLink(parts.hostname, self.hello.lane_port, self.token, self.timeout_s,
+        if self.hello.lane_port and not tls:  # streamed bytes skip gRPC's stack (server/data_path.py)
+            self._lane = DataPathLink(parts.hostname, self.hello.lane_port, self.token, self.timeout_s,
                                   self.hello.lane_batch_bytes)
 
     # ------------------------------------------------------------ setup
@@ -126,7 +127,7 @@ class GrpcClient:
             if transport == "shm":
                 raise TierUnavailableError(f"daemon at {self.target} runs on another host: no shared memory")
             return "stream"
-        near = SameHost(self, shm_bytes)
+        near = SameHost(self.call, self._store_stream, self._set_transport, self.token, self.timeout_s, shm_bytes)
         try:
             near.attach()
             self._near = near
@@ -136,6 +137,10 @@ class GrpcClient:
                 raise TierUnavailableError(f"shared memory with {self.target} failed: {_why(e)}") from None
             log.info("shared memory with %s unavailable (%s); streaming bytes", self.target, _why(e))
             return "stream"
+
+    def _set_transport(self, transport: str) -> None:
+        """What the same-host paths report: "shm" once attached, "stream" once dropped."""
+        self.transport = transport
 
     def call(self, name: str, request, timeout_s: float | None = None):
         """One unary RPC with this client's token and timeout (raises grpc.RpcError)."""
@@ -162,7 +167,7 @@ class GrpcClient:
 
     def _batches(self, n: int, block_bytes: int, room: int) -> list[range]:
         per = max(1, min(self.hello.max_blocks, room // max(block_bytes, 1)))
-        return [range(i, min(n, i + per)) for i in range(0, n, per)]
+        return split(n, per)
 
     # ------------------------------------------------------------ CacheClient
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
@@ -244,7 +249,7 @@ class GrpcClient:
     # ------------------------------------------------------------ data paths
     def _load_stream(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Whole objects, checked (header and checksum; a corrupt block is a
-        miss): over the daemon's data lane when it has one, else each copied
+        miss): over the daemon's TCP data path when it has one, else each copied
         once out of its gRPC message."""
         got = self._lane.load(ns, list(hashes)) if self._lane is not None else None
         if got is not None:
@@ -263,7 +268,7 @@ class GrpcClient:
         return out
 
     def _store_stream(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
-        """Whole objects, checksummed here: over the data lane straight from the
+        """Whole objects, checksummed here: over the TCP data path straight from the
         payloads, else copied once into gRPC messages; the daemon checks each."""
         stored = self._lane.store(ns, list(hashes), list(payloads)) if self._lane is not None else None
         if stored is not None:

@@ -1,18 +1,18 @@
 """The same-host paths of a `GrpcClient`: its shared-memory segment, the
-daemon's doorbell and, when the daemon shares it, the daemon's host pool.
+daemon's same-host socket and, when the daemon shares it, the daemon's host pool.
 
 - Loads: the daemon copies each hit's object into this client's segment
   and verifies it there (LoadShm; cache_service/protocol/segment.py).
-- Stores: into the daemon's pool when it offers it (cache_service/server/pool.py):
+- Stores: into the daemon's pool when it offers it (server/pool.py):
   Reserve slots, encode each block's object straight into its slot (the
   payload copied and hashed in one pass), Commit; in chunks, so the daemon
   checks one while this process fills the next. Else, or for blocks the pool has no
   room for, encoded into the segment and checked and copied by the daemon
   (StoreShm).
 
-Calls ring the doorbell when the daemon offered one (AttachReply.doorbell),
-else go through gRPC; the pool needs the doorbell (its memfd is passed over
-the Unix socket). A failure drops the segment, the doorbell and the pool
+Calls go over the same-host socket when the daemon offered one
+(AttachReply.doorbell), else through gRPC; the pool needs the socket (its
+memfd is passed over it). A failure drops the segment, the socket and the pool
 mapping (the daemon then hands back any slots still reserved); a later call
 attaches anew.
 """
@@ -25,21 +25,20 @@ import time
 from collections import deque
 from functools import lru_cache
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Callable, Sequence
 
 import grpc
 import torch
 
-from cache_service.protocol.socket_client import Bell, BellError
+from cache_service.protocol.batches import split
+from cache_service.protocol.ops import SPECS, Op
+from cache_service.protocol.socket_client import SocketCallError, SocketClient
 from cache_service.blocks.keys import Namespace
 from cache_service.blocks.objects import HEADER_SIZE, encode_flats, encode_rows, object_size, payload_bytes
 from cache_service.protocol.segment import Segment
 from cache_service.protocol.messages import ns_to_pb, torch_dtype
 from proto import tierkv_pb2 as pb
 from tiers.types import BlockHash, TierKVError
-
-if TYPE_CHECKING:
-    from connectors.grpc.client import GrpcClient
 
 NO_ROOM = -2  # a Reserve answer: store this block another way
 ns_pb = lru_cache(maxsize=64)(ns_to_pb)  # a namespace's message, built once (requests copy it)
@@ -75,36 +74,42 @@ class _Pool:
 
 
 class SameHost:
-    """One client's segment, doorbell and pool mapping (callers hold `lock`)."""
+    """One client's segment, same-host socket and pool mapping (callers hold `lock`).
 
-    def __init__(self, client: "GrpcClient", nbytes: int) -> None:
-        self.client, self.nbytes = client, nbytes
+    It gets what it needs of its client as functions: `call(name, request,
+    timeout_s=None)` (a unary gRPC call), `store_stream(ns, hashes, payloads)`
+    (the streamed store, for blocks neither the pool nor the segment takes)
+    and `on_transport("shm" | "stream")` (told when shared memory comes or goes)."""
+
+    def __init__(self, call: Callable, store_stream: Callable, on_transport: Callable[[str], None],
+                 token: str | None, timeout_s: float, nbytes: int) -> None:
+        self.grpc_call, self.store_stream, self.on_transport = call, store_stream, on_transport
+        self.token, self.timeout_s, self.nbytes = token, timeout_s, nbytes
         self.seg: Segment | None = None
         self.attachment = ""
-        self.bell: Bell | None = None
+        self.socket: SocketClient | None = None
         self.pool: _Pool | None = None
-        self.pool_refused = False  # the daemon does not share its pool (asked once per doorbell)
-        self.spare: list[int] = []  # pool slots leased to this doorbell connection for no block yet
+        self.pool_refused = False  # the daemon does not share its pool (asked once per socket connection)
+        self.spare: list[int] = []  # pool slots leased to this socket connection for no block yet
         self.retry_at = 0.0
         self.lock = threading.Lock()
 
     def attach(self) -> None:
-        c = self.client
         seg = Segment(self.nbytes)
         try:
-            reply = c.call("Attach", pb.AttachRequest(name=seg.name, nonce=seg.nonce))
+            reply = self.grpc_call("Attach", pb.AttachRequest(name=seg.name, nonce=seg.nonce))
         except BaseException:
             seg.close()
             raise
         seg.unlink()  # the daemon maps it now; no name left behind if anyone dies
         self.seg, self.attachment = seg, reply.attachment
-        self.bell = Bell.open(reply.doorbell, c.token, c.timeout_s) if reply.doorbell else None
+        self.socket = SocketClient.open(reply.doorbell, self.token, self.timeout_s) if reply.doorbell else None
 
-    def close_bell(self) -> None:
-        """Hang up the doorbell; the pool mapping goes with it (the daemon hands back its slots)."""
-        bell, self.bell, self.pool, self.pool_refused, self.spare = self.bell, None, None, False, []
-        if bell is not None:
-            bell.close()
+    def close_socket(self) -> None:
+        """Hang up the same-host socket; the pool mapping goes with it (the daemon hands back its slots)."""
+        sock, self.socket, self.pool, self.pool_refused, self.spare = self.socket, None, None, False, []
+        if sock is not None:
+            sock.close()
 
     def drop(self) -> None:
         """Stop using the segment: the daemon forgot it (restart) or may still
@@ -115,10 +120,11 @@ class SameHost:
 
     def _drop(self) -> None:
         old, self.seg = self.seg, None
-        self.close_bell()
+        self.close_socket()
         if old is not None:
             old.close()
-            self.retry_at, self.client.transport = time.monotonic(), "stream"
+            self.retry_at = time.monotonic()
+            self.on_transport("stream")
 
     def segment(self) -> Segment | None:
         """The attached segment; re-attaches a dropped one, at most every 10 s."""
@@ -127,7 +133,7 @@ class SameHost:
                 if self.seg is None:
                     try:
                         self.attach()
-                        self.client.transport = "shm"
+                        self.on_transport("shm")
                     except (OSError, grpc.RpcError):
                         self.retry_at = time.monotonic() + 10.0
         return self.seg
@@ -137,18 +143,18 @@ class SameHost:
         seg = self.segment()
         return seg.data_bytes if seg is not None and object_size(ns) <= seg.data_bytes else 0
 
-    def call(self, name: str, request, reply_type):
-        """A shared-memory call (caller holds `lock`): on the doorbell when the
-        daemon offered one, else through gRPC."""
-        return self.bell.call(name, request, reply_type) if self.bell is not None else self.client.call(name, request)
+    def call(self, op: Op, request):
+        """A shared-memory call (caller holds `lock`): on the same-host socket
+        when the daemon offered one, else through gRPC."""
+        return self.socket.call(op, request) if self.socket is not None else self.grpc_call(SPECS[op].method, request)
 
     def close(self) -> None:
         self.nbytes = 0  # no re-attaching after this
         seg, self.seg = self.seg, None
-        self.close_bell()
+        self.close_socket()
         if seg is not None:
             try:
-                self.client.call("Detach", pb.DetachRequest(attachment=self.attachment), timeout_s=2.0)
+                self.grpc_call("Detach", pb.DetachRequest(attachment=self.attachment), timeout_s=2.0)
             except grpc.RpcError:
                 pass  # the daemon reaps idle attachments itself
             seg.close()
@@ -171,7 +177,7 @@ class SameHost:
                 return None
             offset, area = got
             req = pb.ShmRequest(ns=ns_pb(ns), hashes=list(hashes), attachment=self.attachment, offset=offset)
-            sizes = list(self.call("LoadShm", req, pb.LoadShmReply).sizes)
+            sizes = list(self.call(Op.LOAD_SHM, req).sizes)
             _check_sizes(sizes, len(hashes), P)
             payloads = _payload_views(area, ns, len(hashes))
             if not lent:
@@ -193,7 +199,7 @@ class SameHost:
             if rest:  # the pool is full of pinned blocks: the daemon places these below
                 hs, ps = [hashes[j] for j in rest], [payloads[j] for j in rest]
                 more = self._store_segment(ns, hs, ps)
-                stored += self.client._store_stream(ns, hs, ps) if more is None else more
+                stored += self.store_stream(ns, hs, ps) if more is None else more
             return stored
 
     def _store_pool(self, pool: _Pool, ns: Namespace, hashes: Sequence[BlockHash],
@@ -202,8 +208,8 @@ class SameHost:
         the daemon reserves the next chunk and commits the last one while
         this process fills the current one. (stored, positions with no room)."""
         per = max(1, CHUNK_BYTES // object_size(ns))
-        chunks = _chunks(len(hashes), per)
-        replies = _Replies(self.bell, pool.rows.shape[0])
+        chunks = split(len(hashes), per, edge=per // 4)
+        replies = _Replies(self.socket, pool.rows.shape[0])
         if self.spare:  # spare slots from an earlier Commit: the first chunk starts without a round trip
             k = min(len(self.spare), len(chunks[0]))
             chunks[:1] = [chunks[0][:k]] + ([chunks[0][k:]] if k < len(chunks[0]) else [])
@@ -240,16 +246,16 @@ class SameHost:
         offset, area = got
         encode_rows(area.view(len(hashes), S), ns, hashes, payloads)
         req = pb.ShmRequest(ns=ns_pb(ns), hashes=list(hashes), attachment=self.attachment, offset=offset)
-        return self.call("StoreShm", req, pb.StoreReply).stored
+        return self.call(Op.STORE_SHM, req).stored
 
     def _pool(self, ns: Namespace) -> _Pool | None:
         """This process's mapping of the daemon's pool, mapped on first use;
-        None without a doorbell, when the daemon does not share its pool, or
+        None without the same-host socket, when the daemon does not share its pool, or
         when this namespace's objects do not fit its slots."""
-        if self.pool is None and self.bell is not None and not self.pool_refused:
+        if self.pool is None and self.socket is not None and not self.pool_refused:
             try:
-                reply, fd = self.bell.call_fd("MapPool", pb.PoolRequest(ns=ns_pb(ns)), pb.PoolReply)
-            except BellError as e:
+                reply, fd = self.socket.call_fd(Op.MAP_POOL, pb.PoolRequest(ns=ns_pb(ns)))
+            except SocketCallError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     raise
                 self.pool_refused = True  # not shared (several tenants, not a pool): the segment it is
@@ -260,12 +266,12 @@ class SameHost:
 
 
 class _Replies:
-    """The calls of one pipelined pool store, posted on the doorbell and
+    """The calls of one pipelined pool store, posted on the same-host socket and
     answered in order: Reserve replies are kept per chunk, Commit replies
     summed."""
 
-    def __init__(self, bell: Bell, num_slots: int) -> None:
-        self.bell, self.num_slots = bell, num_slots
+    def __init__(self, sock: SocketClient, num_slots: int) -> None:
+        self.socket, self.num_slots = sock, num_slots
         self.pending: deque[tuple[str, int]] = deque()  # (call, its Reserve chunk or its Commit's block count)
         self.reserved: list[list[int]] = []
         self.stored = 0
@@ -273,11 +279,11 @@ class _Replies:
         self.asked = False  # a Commit of this store asked for spares already
 
     def reserve(self, ns: Namespace, hashes: list[BlockHash]) -> None:
-        self.bell.post("Reserve", pb.BlocksRequest(ns=ns_pb(ns), hashes=hashes))
+        self.socket.post(Op.RESERVE, pb.BlocksRequest(ns=ns_pb(ns), hashes=hashes))
         self.pending.append(("Reserve", len(hashes)))
 
     def commit(self, ns: Namespace, hashes: list[BlockHash], slots: list[int], spare: int = 0) -> None:
-        self.bell.post("Commit", pb.CommitRequest(ns=ns_pb(ns), hashes=hashes, slots=slots, spare=max(0, spare)))
+        self.socket.post(Op.COMMIT, pb.CommitRequest(ns=ns_pb(ns), hashes=hashes, slots=slots, spare=max(0, spare)))
         self.pending.append(("Commit", len(hashes)))
         self.asked = True
 
@@ -295,32 +301,16 @@ class _Replies:
     def _next(self) -> None:
         name, n = self.pending.popleft()
         if name == "Commit":
-            reply = self.bell.answer(name, pb.CommitReply)
+            reply = self.socket.answer(Op.COMMIT)
             self.stored += reply.stored
             self.spare += self._checked(name, list(reply.spare), len(reply.spare), 0)
             return
-        self.reserved.append(self._checked(name, list(self.bell.answer(name, pb.ReserveReply).slots), n, NO_ROOM))
+        self.reserved.append(self._checked(name, list(self.socket.answer(Op.RESERVE).slots), n, NO_ROOM))
 
     def _checked(self, name: str, slots: list[int], n: int, lowest: int) -> list[int]:
         if len(slots) != n or any(not lowest <= s < self.num_slots for s in slots):
             raise ProtocolError(f"daemon answered {name} of {n} blocks with slots {slots[:8]}...")
         return slots
-
-
-def _chunks(n: int, per: int) -> list[list[int]]:
-    """Positions 0..n-1 in chunks of `per`, the first and the last a quarter
-    of that: the first fits the spare slots a Commit asks for (or waits for
-    a short Reserve), and the daemon's last Commit, which no filling
-    overlaps, is short."""
-    edge = max(1, per // 4)
-    if n <= edge:
-        return [list(range(n))]
-    cuts = [0, edge]
-    while n - cuts[-1] > edge + per:
-        cuts.append(cuts[-1] + per)
-    if n - cuts[-1] > edge:
-        cuts.append(n - edge)
-    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:] + [n])]
 
 
 def _map(fd: int, reply: pb.PoolReply) -> _Pool:

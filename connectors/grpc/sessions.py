@@ -1,15 +1,12 @@
-"""`RemoteSessions`: a daemon's session manifests, through its `GrpcClient`."""
+"""`RemoteSessions`: a daemon's session manifests, through a `GrpcClient`'s admin calls."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from cache_service.blocks.keys import Namespace
 from cache_service.sessions.manifests import Session, SessionError
 from cache_service.protocol.messages import ns_to_pb, session_from_pb, session_to_pb
 from proto import tierkv_pb2 as pb
-
-if TYPE_CHECKING:
-    from connectors.grpc.client import GrpcClient
 
 
 def _ns(ns: Namespace | None) -> pb.Namespace | None:
@@ -21,11 +18,12 @@ class RemoteSessions:
     (get/put/list/delete) plus `resume`. With auth on the token's tenant is
     used and `tenant` arguments must be empty or equal to it."""
 
-    def __init__(self, client: "GrpcClient") -> None:
-        self._client = client
+    def __init__(self, admin: Callable) -> None:
+        """`admin(name, request, invalid=...)`: a unary call whose failure raises (GrpcClient.admin)."""
+        self._admin = admin
 
     def _call(self, name: str, request):
-        return self._client.admin(name, request, invalid=SessionError)
+        return self._admin(name, request, invalid=SessionError)
 
     def get(self, session_id: str, tenant: str = "") -> Session | None:
         return self.resume(session_id, tenant)[0]

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from cache_service.protocol import frames
-from cache_service.protocol.frames import LOAD, STORE
-from connectors.grpc.data_path import Lane
+from cache_service.protocol.ops import Op
+from connectors.grpc.data_path import DataPathClient
 from cache_service.blocks.objects import HEADER_SIZE, encode, object_size
 from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
@@ -24,8 +24,8 @@ Code = grpc.StatusCode
 S = object_size(NS)
 
 
-def _lane(d, token: str | None = None) -> Lane:
-    return Lane("127.0.0.1", d.servicer.lane_port, token, 10.0, 64 * S)
+def _lane(d, token: str | None = None) -> DataPathClient:
+    return DataPathClient("127.0.0.1", d.servicer.lane_port, token, 10.0, 64 * S)
 
 
 def test_streaming_clients_move_bytes_over_the_lane(start):
@@ -62,12 +62,12 @@ def test_the_lane_checks_tokens_and_keeps_tenants_apart(start):
         assert globex.load(NS, hs) == [None] * 4
         # naming acme's namespace does not help globex, to load or to store
         evil = pb.LoadRequest(ns=ns_to_pb(NS.with_tenant("acme")), hashes=hs).SerializeToString()
-        code, why = _refused(lambda: globex._bell.ask(LOAD, evil))
+        code, why = _refused(lambda: globex._socket.ask(Op.LOAD, evil))
         assert code == Code.PERMISSION_DENIED and "tenant" in why
         acme_ns = NS.with_tenant("acme")
         head = pb.StoreChunk(ns=ns_to_pb(acme_ns), hashes=hs).SerializeToString()
         objs = [encode(acme_ns, h, payload_for(h)).numpy() for h in hs]
-        assert _refused(lambda: globex._bell.ask(STORE, head, objs))[0] == Code.PERMISSION_DENIED
+        assert _refused(lambda: globex._socket.ask(Op.STORE, head, objs))[0] == Code.PERMISSION_DENIED
         # the refused store's bytes were read and dropped: the same connection serves globex's next call
         assert globex.store(NS, hs[:1], [payload_for(hs[0])]) == 1
     finally:
@@ -86,7 +86,7 @@ def test_a_bad_object_stores_nothing_and_the_connection_goes_on(start, shared):
         objs = [encode(NS, h, payload_for(h)) for h in hs]
         objs[1][HEADER_SIZE + 7] ^= 1  # one payload bit flipped after encoding
         head = pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs).SerializeToString()
-        code, why = _refused(lambda: lane._bell.ask(STORE, head, [o.numpy() for o in objs]))
+        code, why = _refused(lambda: lane._socket.ask(Op.STORE, head, [o.numpy() for o in objs]))
         assert code == Code.INVALID_ARGUMENT and "checksum" in why
         assert d.store.lookup(hs) == 0 and d.store.tiers[0].free_bytes() == free
         # the daemon read the whole call, so the same connection serves the next one
@@ -102,7 +102,7 @@ def test_calls_past_the_batch_size_are_refused_and_clients_split_them(start):
     lane = _lane(d)
     try:
         big = pb.LoadRequest(ns=ns_to_pb(NS), hashes=hashes(4)).SerializeToString()
-        assert _refused(lambda: lane._bell.ask(LOAD, big))[0] == Code.RESOURCE_EXHAUSTED
+        assert _refused(lambda: lane._socket.ask(Op.LOAD, big))[0] == Code.RESOURCE_EXHAUSTED
     finally:
         lane.close()
     # the client splits by the batch size the daemon announced
@@ -121,9 +121,9 @@ def test_a_client_vanishing_mid_store_stores_nothing(start):
     head = pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs).SerializeToString()
     # HELLO, the STORE frame and half the objects, then the client is gone
     with socket.create_connection(("127.0.0.1", d.servicer.lane_port), timeout=10) as s:
-        frames.send(s, frames.HELLO, b"")
+        frames.send(s, Op.HELLO, b"")
         assert frames.receive(s)[0] == 0
-        frames.send(s, STORE, head)
+        frames.send(s, Op.STORE, head)
         s.sendall(b"".join(encode(NS, h, payload_for(h)).numpy().tobytes() for h in hs[:2]))
     # nothing stored (the call counts as cancelled, not as a daemon error), and the lane still serves others
     deadline = time.monotonic() + 5

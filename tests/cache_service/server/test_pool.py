@@ -11,14 +11,15 @@ import grpc
 import pytest
 import torch
 
-from cache_service.protocol.socket_client import Bell, BellError
+from cache_service.protocol.ops import Op
+from cache_service.protocol.socket_client import SocketCallError, SocketClient
 from cache_service.config import load_config
 from cache_service.server.daemon import share_cpu_pool
 from cache_service.blocks.keys import Namespace, prefix_hashes
 from cache_service.blocks.objects import HEADER_SIZE, encode_objects, object_size
 from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
-from connectors.grpc.same_host import _chunks
+from cache_service.protocol.batches import split
 from proto import tierkv_pb2 as pb
 from tests.cache_service.store.store_helpers import NS, hashes, payload_for
 from tests.cache_service.server.test_servicer import TOKENS, intact, put, start, url  # noqa: F401 (fixture)
@@ -31,16 +32,16 @@ def _free_slots(d) -> int:
     return d.store.tiers[0].free_bytes() // d.store.tiers[0].slot_bytes
 
 
-def _reserve(bell: Bell, hs) -> list[int]:
-    return list(bell.call("Reserve", pb.BlocksRequest(ns=ns_to_pb(NS), hashes=hs), pb.ReserveReply).slots)
+def _reserve(sock: SocketClient, hs) -> list[int]:
+    return list(sock.call(Op.RESERVE, pb.BlocksRequest(ns=ns_to_pb(NS), hashes=hs)).slots)
 
 
-def _commit(bell: Bell, hs, slots):
-    return bell.call("Commit", pb.CommitRequest(ns=ns_to_pb(NS), hashes=hs, slots=slots), pb.CommitReply)
+def _commit(sock: SocketClient, hs, slots):
+    return sock.call(Op.COMMIT, pb.CommitRequest(ns=ns_to_pb(NS), hashes=hs, slots=slots))
 
 
-def _map(bell: Bell):
-    reply, fd = bell.call_fd("MapPool", pb.PoolRequest(ns=ns_to_pb(NS)), pb.PoolReply)
+def _map(sock: SocketClient):
+    reply, fd = sock.call_fd(Op.MAP_POOL, pb.PoolRequest(ns=ns_to_pb(NS)))
     try:
         mm = mmap.mmap(fd, reply.num_slots * reply.slot_stride, flags=mmap.MAP_SHARED)
     finally:
@@ -70,7 +71,7 @@ def test_a_commit_leaves_spare_slots_the_next_store_starts_in(start):
         # the first store reserves, then its Commit also leases four spare slots
         assert put(c, hashes(2)) == 2
         assert len(c._near.spare) == 4 and _free_slots(d) == 64 - 2 - 4
-        # the next store fills spares at once: one doorbell call (its Commit) instead of two
+        # the next store fills spares at once: one same-host socket call (its Commit) instead of two
         calls = d.doorbell.calls
         assert put(c, hashes(3, start=10)) == 3 and d.doorbell.calls == calls + 1
         assert intact(c, hashes(3, start=10))
@@ -86,12 +87,12 @@ def test_a_commit_leaves_spare_slots_the_next_store_starts_in(start):
 def test_reserved_slots_go_back_when_their_connection_ends(start):
     d = start(shared=True)
     free = _free_slots(d)
-    bell = Bell(d.doorbell.path, None, 10.0)
+    sock = SocketClient(d.doorbell.path, None, 10.0)
     # a client reserves four slots and dies before committing
-    _map(bell)
-    slots = _reserve(bell, hashes(4))
+    _map(sock)
+    slots = _reserve(sock, hashes(4))
     assert all(s >= 0 for s in slots) and _free_slots(d) == free - 4
-    bell.close()
+    sock.close()
     # the daemon hands them back; nothing was published
     deadline = time.monotonic() + 10
     while _free_slots(d) != free and time.monotonic() < deadline:
@@ -103,41 +104,41 @@ def test_reserved_slots_go_back_when_their_connection_ends(start):
 
 def test_a_connection_holds_at_most_a_requests_worth_of_slots(start):
     d = start(shared=True, max_request_bytes=4 * NS.payload_bytes)
-    bell = Bell(d.doorbell.path, None, 10.0)
+    sock = SocketClient(d.doorbell.path, None, 10.0)
     try:
         # four slots reserved and not committed: a fifth is refused until they are
-        rows = _map(bell)
+        rows = _map(sock)
         hs = hashes(5)
-        slots = _reserve(bell, hs[:4])
-        with pytest.raises(BellError) as e:
-            _reserve(bell, hs[4:])
+        slots = _reserve(sock, hs[:4])
+        with pytest.raises(SocketCallError) as e:
+            _reserve(sock, hs[4:])
         assert e.value.code() == Code.RESOURCE_EXHAUSTED
         encode_objects(rows, slots, NS, hs[:4], [payload_for(h) for h in hs[:4]])
-        assert _commit(bell, hs[:4], slots).stored == 4 and min(_reserve(bell, hs[4:])) >= 0
+        assert _commit(sock, hs[:4], slots).stored == 4 and min(_reserve(sock, hs[4:])) >= 0
     finally:
-        bell.close()
+        sock.close()
 
 
 def test_commit_takes_only_the_slots_its_connection_reserved_for_those_blocks(start):
     d = start(shared=True)
-    a, b = Bell(d.doorbell.path, None, 10.0), Bell(d.doorbell.path, None, 10.0)
+    a, b = SocketClient(d.doorbell.path, None, 10.0), SocketClient(d.doorbell.path, None, 10.0)
     try:
         rows = _map(a)
         hs = hashes(3)
         slots = _reserve(a, hs)
         encode_objects(rows, slots, NS, hs, [payload_for(h) for h in hs])
         # another connection cannot commit them
-        with pytest.raises(BellError) as e:
+        with pytest.raises(SocketCallError) as e:
             _commit(b, hs, slots)
         assert e.value.code() == Code.INVALID_ARGUMENT and "reserved" in e.value.details()
         # nor can their owner under other hashes, or one slot twice
         for bad_hs, bad_slots in ((hashes(3, start=50), slots), (hs[:2], [slots[0], slots[0]])):
-            with pytest.raises(BellError) as e:
+            with pytest.raises(SocketCallError) as e:
                 _commit(a, bad_hs, bad_slots)
             assert e.value.code() == Code.INVALID_ARGUMENT
         # slots never written: refused too (their headers are not theirs)
         other = _reserve(a, hashes(2, start=70))
-        with pytest.raises(BellError) as e:
+        with pytest.raises(SocketCallError) as e:
             _commit(a, hashes(2, start=70), other)
         assert e.value.code() == Code.INVALID_ARGUMENT and "bad block object" in e.value.details()
         # a refused commit took nothing from the lease: the right one still works
@@ -192,10 +193,10 @@ def test_blocks_the_pool_has_no_room_for_go_the_usual_way(start):
 def test_a_store_is_cut_in_chunks_with_short_first_and_last_ones():
     # every position once, in order; the chunks at both ends a quarter of the others
     for n, per in ((91, 22), (1, 22), (10, 22), (16, 4), (100, 1)):
-        chunks = _chunks(n, per)
-        assert sum(chunks, []) == list(range(n))
+        chunks = split(n, per, edge=per // 4)
+        assert sum((list(c) for c in chunks), []) == list(range(n))
         assert max(len(c) for c in chunks) <= per
-    assert [len(c) for c in _chunks(91, 22)] == [5, 22, 22, 22, 15, 5]
+    assert [len(c) for c in split(91, 22, edge=22 // 4)] == [5, 22, 22, 22, 15, 5]
 
 
 def test_blocks_larger_than_the_pools_slots_go_through_the_segment(start):
@@ -207,25 +208,25 @@ def test_blocks_larger_than_the_pools_slots_go_through_the_segment(start):
         assert c.store(big, hs, [torch.ones(big.block_shape, dtype=torch.bfloat16)] * 3) == 0
         assert c.errors == 0 and d.store.flush(60) and c.lookup(hs) == 3
         # a Commit naming them in NS's slots is refused, and hands the slots back
-        bell = c._near.bell
+        sock = c._near.socket
         free = _free_slots(d)
-        slots = _reserve(bell, hashes(2))
-        with pytest.raises(BellError) as e:
-            bell.call("Commit", pb.CommitRequest(ns=ns_to_pb(big), hashes=hashes(2), slots=slots), pb.CommitReply)
+        slots = _reserve(sock, hashes(2))
+        with pytest.raises(SocketCallError) as e:
+            sock.call(Op.COMMIT, pb.CommitRequest(ns=ns_to_pb(big), hashes=hashes(2), slots=slots))
         assert e.value.code() == Code.INVALID_ARGUMENT and _free_slots(d) == free
 
 
 def test_a_daemon_that_does_not_share_its_pool_refuses_the_pool_calls(start):
     d = start()
-    bell = Bell(d.doorbell.path, None, 10.0)
+    sock = SocketClient(d.doorbell.path, None, 10.0)
     try:
-        for name, request in (("Reserve", pb.BlocksRequest(ns=ns_to_pb(NS), hashes=hashes(1))),
-                              ("Commit", pb.CommitRequest(ns=ns_to_pb(NS), spare=3))):
-            with pytest.raises(BellError) as e:
-                bell.call(name, request, pb.CommitReply)
+        for op, request in ((Op.RESERVE, pb.BlocksRequest(ns=ns_to_pb(NS), hashes=hashes(1))),
+                              (Op.COMMIT, pb.CommitRequest(ns=ns_to_pb(NS), spare=3))):
+            with pytest.raises(SocketCallError) as e:
+                sock.call(op, request)
             assert e.value.code() == Code.FAILED_PRECONDITION
     finally:
-        bell.close()
+        sock.close()
 
 
 def test_spare_slots_are_bounded_per_client_and_over_all_clients(start):

@@ -1,5 +1,5 @@
 """Fuzzing a live daemon: hypothesis-generated requests, mostly malformed,
-through gRPC, the same-host doorbell and the data lane; every one is answered with a
+through gRPC, the same-host same-host socket and the data lane; every one is answered with a
 client-error status at worst, and the blocks stored before stay intact."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service.server.daemon import Daemon
-from cache_service.protocol.socket_client import Bell
-from cache_service.protocol.frames import LOAD
-from cache_service.server.servicer import ServerSettings
+from cache_service.protocol.ops import BY_METHOD, Op
+from cache_service.protocol.socket_client import SocketClient
+from cache_service.config import ServerConfig
 from cache_service.protocol.segment import Segment
 from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
@@ -22,7 +22,6 @@ from tests.cache_service.store.store_helpers import NS, hashes, make_store
 from tests.cache_service.server.test_servicer import P, intact, put, raw, url
 
 Code = grpc.StatusCode
-REPLIES = {"LoadShm": pb.LoadShmReply, "Reserve": pb.ReserveReply, "Commit": pb.CommitReply}
 ANSWERS = {Code.OK, Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.PERMISSION_DENIED, Code.NOT_FOUND,
            Code.FAILED_PRECONDITION}
 _text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
@@ -53,16 +52,16 @@ _session = st.builds(pb.Session, session_id=st.one_of(st.sampled_from(["s1", "s2
 @pytest.fixture(scope="module")
 def fuzz_target(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
-    d = Daemon(make_store(root / "store", cpu_blocks=32, shared=True), ServerSettings(
+    d = Daemon(make_store(root / "store", cpu_blocks=32, shared=True), ServerConfig(
         listen="127.0.0.1:0", sessions_dir=str(root), max_blocks=8, max_request_bytes=8 * P)).start()
     seg = Segment(8 * P)
     stub = raw(d)
     aid = stub.Attach(pb.AttachRequest(name=seg.name, nonce=seg.nonce)).attachment
     client = GrpcClient(url(d, "stream"))
     put(client, hashes(6))
-    bell = Bell(d.doorbell.path, None, 10.0)
-    yield client, stub, aid, bell, d.servicer.lane_port
-    bell.close()
+    sock = SocketClient(d.doorbell.path, None, 10.0)
+    yield client, stub, aid, sock, d.servicer.lane_port
+    sock.close()
     client.close()
     seg.close()
     d.stop(grace_s=0)
@@ -82,11 +81,11 @@ def _requests(aid: str):
         st.tuples(st.just("Lookup"), st.builds(pb.LookupRequest, ns=_maybe_ns, hashes=_hashes)),
         st.tuples(st.sampled_from(["Load", "lane:Load"]), st.builds(pb.LoadRequest, ns=_maybe_ns, hashes=_hashes)),
         st.tuples(st.just("Store"), st.builds(_store_stream, _maybe_ns, _hashes, _data, st.integers(0, 1))),
-        st.tuples(st.sampled_from(["LoadShm", "StoreShm", "bell:LoadShm", "bell:StoreShm"]), shm),
-        # the shared pool's calls (doorbell only): slots from the pool, past it, negative, repeated
-        st.tuples(st.just("bell:MapPool"), st.builds(pb.PoolRequest, ns=_namespaces)),
-        st.tuples(st.just("bell:Reserve"), st.builds(pb.BlocksRequest, ns=_maybe_ns, hashes=_hashes)),
-        st.tuples(st.just("bell:Commit"), st.builds(pb.CommitRequest, ns=_maybe_ns, hashes=_hashes, slots=st.lists(
+        st.tuples(st.sampled_from(["LoadShm", "StoreShm", "sock:LoadShm", "sock:StoreShm"]), shm),
+        # the shared pool's calls (same-host socket only): slots from the pool, past it, negative, repeated
+        st.tuples(st.just("sock:MapPool"), st.builds(pb.PoolRequest, ns=_namespaces)),
+        st.tuples(st.just("sock:Reserve"), st.builds(pb.BlocksRequest, ns=_maybe_ns, hashes=_hashes)),
+        st.tuples(st.just("sock:Commit"), st.builds(pb.CommitRequest, ns=_maybe_ns, hashes=_hashes, slots=st.lists(
             _mostly(st.integers(-3, 40), st.integers(-(2**63), 2**63 - 1)), max_size=6),
             spare=_mostly(st.integers(0, 4), st.integers(0, 2**32 - 1)))),
         st.tuples(st.just("Pin"), st.builds(pb.PinRequest, ns=_maybe_ns, hashes=_hashes, ttl_s=st.floats())),
@@ -99,19 +98,19 @@ def _requests(aid: str):
     )
 
 
-def _send(stub, bell, lane_port: int, method: str, request):
+def _send(stub, sock, lane_port: int, method: str, request):
     if method == "lane:Load":  # the data lane, on a connection of its own (the objects after the reply are left)
-        lane = Bell(("127.0.0.1", lane_port), None, 10.0)
+        lane = SocketClient(("127.0.0.1", lane_port), None, 10.0)
         try:
-            return lane.ask(LOAD, request.SerializeToString())
+            return lane.ask(Op.LOAD, request.SerializeToString())
         finally:
             lane.close()
-    if method == "bell:MapPool":  # answered with the pool's descriptor
-        os.close(bell.call_fd("MapPool", request, pb.PoolReply)[1])
+    if method == "sock:MapPool":  # answered with the pool's descriptor
+        os.close(sock.call_fd(Op.MAP_POOL, request)[1])
         return None
-    if method.startswith("bell:"):  # the same call rung on the same-host doorbell
+    if method.startswith("sock:"):  # the same call rung on the same-host same-host socket
         name = method.split(":")[1]
-        return bell.call(name, request, REPLIES.get(name, pb.StoreReply))
+        return sock.call(BY_METHOD[name], request)
     rpc = getattr(stub, method)
     if method == "Load":
         return list(rpc(request))
@@ -121,11 +120,11 @@ def _send(stub, bell, lane_port: int, method: str, request):
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_malformed_requests_never_crash_the_daemon_or_lose_blocks(fuzz_target, data):
-    client, stub, aid, bell, lane_port = fuzz_target
+    client, stub, aid, sock, lane_port = fuzz_target
     method, request = data.draw(_requests(aid))
-    # any request gets an answer or a client-error status, never INTERNAL/UNKNOWN, on gRPC, the doorbell or the lane
+    # any request gets an answer or a client-error status, never INTERNAL/UNKNOWN, on gRPC, the same-host socket or the lane
     try:
-        _send(stub, bell, lane_port, method, request)
+        _send(stub, sock, lane_port, method, request)
     except grpc.RpcError as e:
         assert e.code() in ANSWERS, (method, e.code(), e.details())
     # and the blocks stored before are still there, intact

@@ -1,4 +1,4 @@
-"""The same-host doorbell: the shared-memory calls over a Unix socket, with
+"""The same-host socket: the shared-memory calls over a Unix socket, with
 gRPC's auth, tenants and status codes, and a fallback to gRPC."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import socket
 import grpc
 import pytest
 
-from cache_service.protocol import frames
-from cache_service.protocol.socket_client import Bell, BellError
+from cache_service.protocol.ops import Op
+from cache_service.protocol.socket_client import SocketCallError, SocketClient
 from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
@@ -21,7 +21,7 @@ Code = grpc.StatusCode
 
 
 def _refused(fn) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(BellError) as e:
+    with pytest.raises(SocketCallError) as e:
         fn()
     return e.value.code(), e.value.details()
 
@@ -30,7 +30,7 @@ def test_shared_memory_calls_ring_the_doorbell(start):
     d = start()
     with GrpcClient(url(d, "shm")) as c:
         # the daemon offered its socket at Attach and the client connected
-        assert c._near.bell is not None and d.servicer.doorbell == d.doorbell.path
+        assert c._near.socket is not None and d.servicer.doorbell == d.doorbell.path
         # a store and a load are answered there, not by gRPC, and counted as the same methods
         # (after asking once for the daemon's pool, which this daemon does not share)
         hs = hashes(6)
@@ -43,15 +43,15 @@ def test_shared_memory_calls_ring_the_doorbell(start):
 def test_the_doorbell_checks_tokens_and_attachment_tenants(start):
     d = start(auth=True)
     # no token or a wrong one: refused at HELLO
-    assert _refused(lambda: Bell(d.doorbell.path, None, 5.0))[0] == Code.UNAUTHENTICATED
-    assert _refused(lambda: Bell(d.doorbell.path, "not-a-token-at-all", 5.0))[0] == Code.UNAUTHENTICATED
+    assert _refused(lambda: SocketClient(d.doorbell.path, None, 5.0))[0] == Code.UNAUTHENTICATED
+    assert _refused(lambda: SocketClient(d.doorbell.path, "not-a-token-at-all", 5.0))[0] == Code.UNAUTHENTICATED
     with GrpcClient(url(d, "shm"), token=TOKENS["acme"]) as acme:
         assert put(acme, hashes(3)) == 3
         # globex holding acme's attachment id still cannot use it
-        globex = Bell(d.doorbell.path, TOKENS["globex"], 5.0)
+        globex = SocketClient(d.doorbell.path, TOKENS["globex"], 5.0)
         try:
             req = pb.ShmRequest(ns=ns_to_pb(NS), hashes=hashes(3), attachment=acme._near.attachment)
-            code, why = _refused(lambda: globex.call("LoadShm", req, pb.LoadShmReply))
+            code, why = _refused(lambda: globex.call(Op.LOAD_SHM, req))
             assert code == Code.PERMISSION_DENIED and "tenant" in why
         finally:
             globex.close()
@@ -62,22 +62,22 @@ def test_bad_frames_get_status_codes_and_never_crash_the_daemon(start):
     d = start()
     with GrpcClient(url(d, "shm")) as c:
         assert put(c, hashes(4)) == 4
-        bell = Bell(d.doorbell.path, None, 5.0)
+        sock = SocketClient(d.doorbell.path, None, 5.0)
         try:
             # a malformed body and an unknown attachment are refused; the connection goes on
-            assert _refused(lambda: bell.ask(frames.LOAD_SHM, b"\xff\xff\xff"))[0] == Code.INVALID_ARGUMENT
+            assert _refused(lambda: sock.ask(Op.LOAD_SHM, b"\xff\xff\xff"))[0] == Code.INVALID_ARGUMENT
             req = pb.ShmRequest(ns=ns_to_pb(NS), hashes=hashes(4), attachment="nope")
-            assert _refused(lambda: bell.call("LoadShm", req, pb.LoadShmReply))[0] == Code.NOT_FOUND
+            assert _refused(lambda: sock.call(Op.LOAD_SHM, req))[0] == Code.NOT_FOUND
             # an unknown op (bytes of its own may follow it) is refused, then the connection ends
-            assert _refused(lambda: bell.ask(99, b""))[0] == Code.UNIMPLEMENTED
-            assert _refused(lambda: bell.call("LoadShm", req, pb.LoadShmReply))[0] == Code.UNAVAILABLE
+            assert _refused(lambda: sock.ask(99, b""))[0] == Code.UNIMPLEMENTED
+            assert _refused(lambda: sock.call(Op.LOAD_SHM, req))[0] == Code.UNAVAILABLE
             # the data lane's ops are not served on the doorbell, nor the doorbell's on the lane
-            assert _refused(lambda: Bell(d.doorbell.path, None, 5.0).ask(3, b""))[0] == Code.UNIMPLEMENTED
-            lane = Bell(("127.0.0.1", d.servicer.lane_port), None, 5.0)
-            assert _refused(lambda: lane.call("LoadShm", req, pb.LoadShmReply))[0] == Code.UNIMPLEMENTED
+            assert _refused(lambda: SocketClient(d.doorbell.path, None, 5.0).ask(3, b""))[0] == Code.UNIMPLEMENTED
+            lane = SocketClient(("127.0.0.1", d.servicer.lane_port), None, 5.0)
+            assert _refused(lambda: lane.call(Op.LOAD_SHM, req))[0] == Code.UNIMPLEMENTED
             lane.close()
         finally:
-            bell.close()
+            sock.close()
         # random bytes on fresh connections: each is answered or dropped, the daemon keeps serving
         rng = random.Random(0)
         for _ in range(200):
@@ -91,7 +91,7 @@ def test_bad_frames_get_status_codes_and_never_crash_the_daemon(start):
                         pass
                 except ConnectionResetError:  # dropped with bytes unread: fine
                     pass
-        # nothing stored was lost, and the client's own doorbell still works
+        # nothing stored was lost, and the client's own same-host socket still works
         assert intact(c, hashes(4)) and d.doorbell.calls >= 2
 
 
@@ -100,11 +100,11 @@ def test_a_broken_doorbell_costs_one_miss_then_grpc_carries_the_calls(start):
     with GrpcClient(url(d, "shm")) as c:
         hs = hashes(4)
         assert put(c, hs) == 4
-        # the daemon's doorbell goes away (its connections with it)
+        # the daemon's same-host socket goes away (its connections with it)
         d.servicer.doorbell = ""
         d.doorbell.close(grace_s=1.0)
         # the call in the way is a miss, not an error in the caller
         assert c.load(NS, hs) == [None] * 4 and c.errors == 1
-        # the client attaches again, without a doorbell now, and shared memory works through gRPC
+        # the client attaches again, without a same-host socket now, and shared memory works through gRPC
         c._retry_at = 0.0
-        assert intact(c, hs) and c.transport == "shm" and c._near.bell is None
+        assert intact(c, hs) and c.transport == "shm" and c._near.socket is None
