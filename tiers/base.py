@@ -140,3 +140,51 @@ class ByteBudget:
                     self._reserved += obj.numel()
                     todo.append(i)
         return todo
+
+
+class SlotTier(Tier):
+    """A tier of fixed-size slots in memory (`tiers.cpu.SlotPool`): what the
+    store may ask of it beyond `Tier`.
+
+    ``get_into`` copies hits straight into the caller's buffers (the
+    allocation-free load). A ``shared`` pool lives in memory another process
+    maps (``share_fd``: its memfd; ``rows``: the pool as ``[num_slots,
+    slot_bytes]``, rows ``slot_stride`` bytes apart): that process writes
+    objects into slots the store ``reserve``s for it, and the store
+    ``publish``es them, or hands them back (``unreserve``).
+    """
+
+    shared: bool = False
+    num_slots: int = 0
+    slot_bytes: int = 0
+    slot_stride: int = 0
+    share_fd: int = -1
+
+    @abstractmethod
+    def get_into(self, hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor],
+                 hash_from: int | None = None) -> list:
+        """Copy each held object into the prefix of `outs[j]`; False per miss
+        (None with `hash_from`: then a hit's entry is its bytes' xxh3_64 from
+        that offset on, else True)."""
+
+    @abstractmethod
+    def reserve(self, hashes: Sequence[BlockHash], nbytes: int) -> list[int | None]:
+        """A free slot per hash not held (None: held, repeated or no room),
+        for an object of `nbytes` someone else writes."""
+
+    @abstractmethod
+    def reserve_free(self, n: int, nbytes: int) -> list[int]:
+        """Up to n free slots for objects of `nbytes` not yet for any block."""
+
+    @abstractmethod
+    def publish(self, hashes: Sequence[BlockHash], slots: Sequence[int], nbytes: int) -> list[bool]:
+        """Make reserved, written slots the objects of `hashes`; False where a racing put won."""
+
+    @abstractmethod
+    def unreserve(self, slots: Iterable[int]) -> None:
+        """Hand reserved slots back unwritten."""
+
+    @property
+    @abstractmethod
+    def rows(self) -> torch.Tensor:
+        """The pool as one ``[num_slots, slot_bytes]`` tensor."""

@@ -25,11 +25,12 @@ from typing import Iterable, Sequence
 
 import torch
 
-from tiers.base import Tier
+from tiers.base import SlotTier
 from tiers.host_copy import copy_all, copy_hashed, shared_matrix
 from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError
 
-class SlotPool(Tier):
+
+class SlotPool(SlotTier):
     """A fixed-slot object pool on one torch device.
 
     `slot_bytes` None sizes the slots lazily from the first object put. The
