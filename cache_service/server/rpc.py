@@ -87,7 +87,7 @@ def rpc(fn):
 def call_as(servicer, method: str, request_type, body: bytes, tenant: str | None):
     """Run unary servicer method `method` on a serialized `request_type` for
     a caller already authenticated as `tenant`, outside gRPC (the same-host
-    doorbell, cache_service/server/socket_server.py): the same status mapping, metrics
+    socket, cache_service/server/socket_server.py): the same status mapping, metrics
     and in-flight count as `rpc`. Returns (reply or None, code, message)."""
     def run(tenant: str | None):
         return getattr(type(servicer), method).__wrapped__(servicer, parse(request_type, body, method), None, tenant)

@@ -119,3 +119,40 @@ def test_encoding_into_chosen_rows_equals_encoding_each_block():
         assert torch.equal(rows[r, :object_size(NS)], encode(NS, h, p))
         rows[r, :object_size(NS)] = 0xAA
     assert torch.equal(rows, before)
+
+
+K = prefix_hashes(NS, range(40))  # ten blocks
+
+
+def test_one_verification_api_for_rows_and_views():
+    # verify: a checksum per sound object, None per damaged or misnamed one; rows and views agree
+    rows = torch.stack([encode(NS, h, _payload(i)) for i, h in enumerate(K[:4])])
+    rows[1, HEADER_SIZE + 3] ^= 1  # payload bit
+    rows[2, 30] ^= 1  # header bit
+    names = [K[0], K[1], K[2], K[5]]  # the last misnamed
+    want = [checksum(rows[0, HEADER_SIZE:]), None, None, None]
+    views = [memoryview(r.numpy()) for r in rows.unbind(0)]
+    assert objects.verify(rows, NS, names) == objects.verify(views, NS, names) == want
+    assert objects.verify(rows[:1], NS, names[:1], sums=[want[0] + 1]) == [None]  # the caller's sums are trusted
+    # require: the checksums, or decode's diagnosis of the first bad object
+    assert objects.require(views[:1], NS, names[:1]) == want[:1]
+    for objs in (rows, views):
+        with pytest.raises(CorruptBlockError, match="payload checksum"):
+            objects.require(objs, NS, names)
+
+
+def test_rehead_gives_a_payload_new_keys_in_rows_pool_slots_and_views():
+    tenant = NS.with_tenant("acme")
+    rows = torch.stack([encode(NS, h, _payload(i)) for i, h in enumerate(K[:3])])
+    sums = objects.require(rows, NS, K[:3])
+    table = rows.clone()
+    objects.rehead(rows, tenant, K[3:6], sums)
+    assert objects.require(rows, tenant, K[3:6]) == sums
+    objects.rehead(table, tenant, [K[7]], [sums[2]], at=[2])  # a pool's slot
+    assert objects.verify(table[:2], NS, K[:2]) == sums[:2] and objects.verify(table[2:], tenant, [K[7]]) == sums[2:]
+    view = memoryview(bytearray(table[0].numpy()))
+    objects.rehead([view], tenant, [K[8]], [sums[0]])
+    assert objects.verify([view], tenant, [K[8]]) == sums[:1]
+    # adopt: checked as sent, then headed for the store's keys
+    fresh = torch.stack([encode(NS, h, _payload(i)) for i, h in enumerate(K[:3])])
+    assert objects.adopt(fresh, NS, K[:3], tenant, K[3:6]) == sums and torch.equal(fresh, rows)
