@@ -22,8 +22,14 @@ reads an untyped dict. Example ``tierkv.toml``::
     node_id = "gpu-node-3"      # default: hostname + a digest of the disk path
     heartbeat_ttl_s = 15
 
+    [server]                    # `tierkv serve` only; its flags override these
+    listen = "0.0.0.0:7600"
+    metrics_port = 9600         # or "off" (the default)
+    lane_port = "off"           # the TCP data lane; default 0: any free port
+
 Environment variables address the same keys with ``__`` between levels:
-``TIERKV_TIERS__CPU__CAPACITY=8GiB``, ``TIERKV_STORE__QUEUE_FULL=skip``.
+``TIERKV_TIERS__CPU__CAPACITY=8GiB``, ``TIERKV_STORE__QUEUE_FULL=skip``,
+``TIERKV_SERVER__LISTEN=0.0.0.0:7600``.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from tiers.types import ConfigError
 TIER_ORDER = ("hbm", "cpu", "disk", "s3")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MiB = 1 << 20
 
 
 def parse_size(value: int | str, key: str = "size") -> int:
@@ -224,10 +231,52 @@ class DirectoryConfig:
 
 
 @dataclass(slots=True)
+class ServerConfig:
+    """The daemon (`tierkv serve`): how it listens and what one request may ask for.
+    Optional ports take "off" in TOML and env for None."""
+
+    listen: str = "127.0.0.1:7600"
+    metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
+    metrics_host: str = "127.0.0.1"
+    token_file: str | None = None  # None: auth off (see cache_service/server/auth.py)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    sessions_dir: str | None = None  # manifests under <dir>/sessions; None: the disk tier's path
+    shm_dir: str = "/dev/shm"
+    max_message_bytes: int = 8 * MiB
+    chunk_bytes: int = 1 * MiB  # payload bytes per streamed message
+    max_request_bytes: int = 1024 * MiB  # payload bytes per Store / StoreShm
+    max_blocks: int = 65536  # hashes per request
+    load_batch_bytes: int = 64 * MiB  # Load reads (and holds) this much at a time; a lane call carries at most this
+    lane_port: int | None = 0  # the data lane (cache_service/server/data_path.py): 0 any free port, None off; never with TLS
+    workers: int = 16
+    max_concurrent_rpcs: int = 256
+    grace_s: float = 10.0  # SIGTERM: in-flight calls get this long to finish
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"listen address {self.listen!r} must be HOST:PORT")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        for name in ("max_message_bytes", "chunk_bytes", "max_request_bytes", "max_blocks", "load_batch_bytes",
+                     "workers", "max_concurrent_rpcs"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.chunk_bytes + 64 * 1024 > self.max_message_bytes:
+            raise ConfigError(f"chunk_bytes {self.chunk_bytes} leaves no room under max_message_bytes "
+                              f"{self.max_message_bytes}")
+
+
+@dataclass(slots=True)
 class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
     directory: DirectoryConfig | None = None
+    server: ServerConfig = field(default_factory=ServerConfig)
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -237,14 +286,17 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return None if value is None else _coerce(key, value, args[0])
+        if value is None or (value == "off" and not is_dataclass(args[0])):  # TOML has no null
+            return None
+        return _coerce(key, value, args[0])
     if tp is bool:
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             return value.lower() in ("1", "true", "yes", "on")
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true/false, got {value!r}")
         return value
-    if tp is int and key.rsplit(".", 1)[-1] in ("capacity", "slot_bytes"):
+    leaf = key.rsplit(".", 1)[-1]
+    if tp is int and (leaf == "capacity" or leaf.endswith("_bytes")):
         return parse_size(value, key)
     try:
         if tp in (int, float) and isinstance(value, bool):

@@ -36,14 +36,14 @@ from grpc_reflection.v1alpha import reflection
 
 from cache_service.protocol.tls import server_credentials
 from cache_service.server.auth import AuthInterceptor, Authenticator
-from cache_service.config import Config, default_cache_dir
+from cache_service.config import Config, ServerConfig, default_cache_dir
 from cache_service.server.socket_server import DaemonSocketServer
 from cache_service.factory import open_store
 from cache_service.protocol.streaming import StoreMessage
 from cache_service.server.data_path import HANDLERS
 from cache_service.server.metrics import Metrics
 from cache_service.server.pool import HANDLERS as POOL_HANDLERS
-from cache_service.server.servicer import ServerSettings, TierKVServicer
+from cache_service.server.servicer import TierKVServicer
 from cache_service.sessions.manifests import SessionStore
 from cache_service.server.attachments import Attachments
 from cache_service.store.tiered_store import TieredStore
@@ -60,10 +60,11 @@ class DaemonError(TierKVError):
 
 
 class Daemon:
-    """A running (after `start`) gRPC daemon that owns `store` and closes it on `stop`."""
+    """A running (after `start`) gRPC daemon that owns `store` and closes it on `stop`;
+    `settings` is the config's [server] section."""
 
-    def __init__(self, store: TieredStore, settings: ServerSettings | None = None) -> None:
-        self.store, self.settings = store, settings or ServerSettings()
+    def __init__(self, store: TieredStore, settings: ServerConfig | None = None) -> None:
+        self.store, self.settings = store, settings or ServerConfig()
         s = self.settings
         self.auth = Authenticator.from_file(s.token_file)
         self.metrics = Metrics()
@@ -233,8 +234,9 @@ def share_cpu_pool(cfg: Config) -> None:
         cpu.shared = "yes" if top and cpu.pin != "yes" else "no"
 
 
-def serve(cfg: Config, settings: ServerSettings) -> int:
-    """Run the daemon until SIGTERM/SIGINT, then drain; returns the exit code."""
+def serve(cfg: Config) -> int:
+    """Run the daemon of `cfg` (its [server] section) until SIGTERM/SIGINT, then drain; returns the exit code."""
+    settings = cfg.server
     tune_process()
     if settings.sessions_dir is None:
         settings.sessions_dir = sessions_root(cfg)

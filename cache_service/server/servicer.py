@@ -1,5 +1,6 @@
 """The daemon's gRPC servicer: the TierKV API (proto/tierkv.proto) over one
-`TieredStore`, plus the settings that bound what a request may ask for.
+`TieredStore`, bounded by the config's [server] section (`servicer.s`, a
+`cache_service.config.ServerConfig`): what a request may ask for.
 
 Every method runs through `cache_service.server.rpc.rpc` (auth, status codes,
 metrics). Keys the store sees are `tenant_keys(tenant, hashes)` and object
@@ -13,13 +14,13 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
 from typing import Iterator
 
 import grpc
 import torch
 
 from cache_service.blocks.keys import tenant_keys
+from cache_service.config import ServerConfig
 from cache_service.server.auth import Authenticator
 from cache_service.protocol.streaming import (WIRE_VERSION, FramingError, ObjectReader, StoreMessage, admit, load_messages,
                                    object_pieces)
@@ -35,56 +36,12 @@ from cache_service.protocol.messages import (RequestError, hashes_from_pb, inval
                                 session_to_pb, stats_to_pb)
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
-from tiers.types import BlockHash, ConfigError, CorruptBlockError
-
-VERSION = WIRE_VERSION
-MiB = 1 << 20
-
-
-@dataclass(slots=True)
-class ServerSettings:
-    """How the daemon listens and what one request may ask for."""
-
-    listen: str = "127.0.0.1:7600"
-    metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
-    metrics_host: str = "127.0.0.1"
-    token_file: str | None = None  # None: auth off (see cache_service/server/auth.py)
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    sessions_dir: str | None = None  # manifests under <dir>/sessions
-    shm_dir: str = "/dev/shm"
-    max_message_bytes: int = 8 * MiB
-    chunk_bytes: int = 1 * MiB  # payload bytes per streamed message
-    max_request_bytes: int = 1024 * MiB  # payload bytes per Store / StoreShm
-    max_blocks: int = 65536  # hashes per request
-    load_batch_bytes: int = 64 * MiB  # Load reads (and holds) this much at a time; a lane call carries at most this
-    lane_port: int | None = 0  # the data lane (cache_service/server/data_path.py): 0 any free port, None off; never with TLS
-    workers: int = 16
-    max_concurrent_rpcs: int = 256
-    grace_s: float = 10.0  # SIGTERM: in-flight calls get this long to finish
-
-    def __post_init__(self) -> None:
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"listen address {self.listen!r} must be HOST:PORT")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("TLS needs both --tls-cert and --tls-key")
-        if self.tls_client_ca and not self.tls_cert:
-            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
-        for name in ("max_message_bytes", "chunk_bytes", "max_request_bytes", "max_blocks", "load_batch_bytes",
-                     "workers", "max_concurrent_rpcs"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.chunk_bytes + 64 * 1024 > self.max_message_bytes:
-            raise ConfigError(f"chunk_bytes {self.chunk_bytes} leaves no room under max_message_bytes "
-                              f"{self.max_message_bytes}")
-
+from tiers.types import BlockHash, CorruptBlockError
 
 class TierKVServicer(pb_grpc.TierKVServicer):
     """Implements tierkv.v1.TierKV; thread-safe (the store and the maps are)."""
 
-    def __init__(self, store: TieredStore, settings: ServerSettings, auth: Authenticator, metrics: Metrics,
+    def __init__(self, store: TieredStore, settings: ServerConfig, auth: Authenticator, metrics: Metrics,
                  attachments: Attachments, sessions: SessionStore) -> None:
         self.store, self.s, self.auth, self.metrics = store, settings, auth, metrics
         self.attachments, self.sessions = attachments, sessions
@@ -130,7 +87,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @rpc
     def Hello(self, request, context, tenant):
         s = self.s
-        return pb.HelloReply(version=VERSION, host_id=self.host_id, auth_required=self.auth.enabled,
+        return pb.HelloReply(version=WIRE_VERSION, host_id=self.host_id, auth_required=self.auth.enabled,
                              tenant=tenant or "", max_message_bytes=s.max_message_bytes, chunk_bytes=s.chunk_bytes,
                              max_request_bytes=s.max_request_bytes, max_blocks=s.max_blocks,
                              lane_port=self.lane_port, lane_batch_bytes=s.load_batch_bytes)

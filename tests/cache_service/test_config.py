@@ -57,3 +57,36 @@ def test_bad_env_value_names_the_key():
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "nope.toml", env={})
+
+
+def test_server_section_from_toml_env_and_flags(tmp_path):
+    # [server] comes from TOML and TIERKV_SERVER__* env; `tierkv serve`'s flags given override it
+    import argparse
+
+    from cache_service.server.cli_serve import add_serve_args, server_flags
+
+    f = tmp_path / "tierkv.toml"
+    f.write_text('[server]\nlisten = "0.0.0.0:7700"\nchunk_bytes = "2MiB"\nlane_port = "off"\nmetrics_port = 9600\n')
+    cfg = load_config(f, env={"TIERKV_SERVER__WORKERS": "4", "TIERKV_SERVER__METRICS_PORT": "off"})
+    s = cfg.server
+    assert (s.listen, s.chunk_bytes, s.lane_port, s.metrics_port, s.workers) == ("0.0.0.0:7700", 2 << 20, None, None, 4)
+    assert load_config(env={}).server.lane_port == 0 and load_config(env={}).server.listen == "127.0.0.1:7600"
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert server_flags(p.parse_args([])) == {}  # no flag: the config decides
+    assert server_flags(p.parse_args(["--listen", "h:1", "--lane-port", "off", "--grace", "2"])) == {
+        "listen": "h:1", "lane_port": None, "grace_s": 2.0}
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[server]\nlisten = 'nowhere'\n", "listen address 'nowhere' must be HOST:PORT"),
+    ("[server]\ntls_cert = 'c.pem'\n", "TLS needs both --tls-cert and --tls-key"),
+    ("[server]\nworkers = 0\n", "workers must be positive"),
+    ("[server]\nchunk_bytes = '8MiB'\n", "leaves no room under max_message_bytes"),
+    ("[server]\nlisen = 'h:1'\n", "server.lisen"),
+])
+def test_bad_server_section_says_what_is_wrong(tmp_path, text, needle):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config(f, env={})

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cache_service.server.daemon import Daemon
 from cache_service.blocks.keys import prefix_hashes
 from cache_service.server.metrics import StructuredFormatter
-from cache_service.server.servicer import ServerSettings
+from cache_service.config import ServerConfig
 from cache_service.sessions.manifests import Session
 from cache_service.protocol.segment import Segment
 from cache_service.protocol.messages import ns_to_pb
@@ -43,7 +43,7 @@ def start(tmp_path):
         store = make_store(tmp_path / f"store{len(daemons)}", cpu_blocks=cpu_blocks,
                            disk_blocks=4096 if disk else None, shared=shared)
         settings.setdefault("listen", "127.0.0.1:0")
-        s = ServerSettings(sessions_dir=str(tmp_path / "sessions"), **settings)
+        s = ServerConfig(sessions_dir=str(tmp_path / "sessions"), **settings)
         daemons.append(Daemon(store, s).start())
         return daemons[-1]
 
@@ -144,7 +144,7 @@ def test_auto_falls_back_to_streaming_when_the_daemon_cannot_map_the_segment(sta
 def test_a_client_refuses_a_daemon_with_another_wire_format(start, monkeypatch):
     # a daemon of another wire version (its Load/Store would not parse): the client says so at connect
     d = start()
-    monkeypatch.setattr("cache_service.server.servicer.VERSION", "tierkv-daemon/1")
+    monkeypatch.setattr("cache_service.server.servicer.WIRE_VERSION", "tierkv-daemon/1")
     with pytest.raises(TierUnavailableError, match="speaks 'tierkv-daemon/1'"):
         GrpcClient(url(d))
 
