@@ -40,6 +40,7 @@ HEADER_SIZE = 128
 _FIXED = struct.Struct("<4sHH16s16sIIIIBBHIQQ")
 _TAIL = struct.Struct("<Q")
 _HASH_FIELD = slice(24, 40)  # where a header holds its block hash
+_CSUM_FIELD = slice(72, 80)  # where it holds its payload checksum
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(KV_DTYPES)}
 _CODEC_CODES = {"raw": 0}
 assert _FIXED.size == 80
@@ -232,44 +233,53 @@ Objects = torch.Tensor | Sequence[memoryview]
 
 
 def verify(objs: Objects, ns: Namespace, hashes: Sequence[BlockHash],
-           sums: Sequence[int] | None = None) -> list[int | None]:
+           sums: Sequence[int] | None = None, payload: bool = True) -> list[int | None]:
     """Per object: its payload checksum when its header is exactly block
     hashes[i]'s under `ns` and its payload hashes to that checksum, else
     None. `sums`: the payloads' checksums, if the caller has them already
-    (hashed as it copied them)."""
+    (hashed as it copied them). Without `payload` only the headers are
+    checked (the checksum they claim; rows may then be headers alone,
+    ``[n, HEADER_SIZE]``)."""
     if not isinstance(objs, torch.Tensor):
         assert sums is None and len(objs) == len(hashes)
-        return [_verify_view(o, ns, h) for o, h in zip(objs, hashes)]
+        return [_verify_view(o, ns, h, payload) for o, h in zip(objs, hashes)]
+    if not payload:
+        assert objs.dim() == 2 and objs.shape[1] in (HEADER_SIZE, object_size(ns))
+        return claimed_in_heads(objs[:, :HEADER_SIZE], ns, hashes)
     claims = claimed_checksums(objs, ns, hashes)
     sums = sums if sums is not None else checksums(list(objs[:, HEADER_SIZE:].unbind(0)))
     return [c if c is not None and c == s else None for c, s in zip(claims, sums)]
 
 
-def _verify_view(obj: memoryview, ns: Namespace, h: BlockHash) -> int | None:
-    """`verify` of one view: the canonical header for its payload's checksum, compared whole."""
+def _verify_view(obj: memoryview, ns: Namespace, h: BlockHash, payload: bool = True) -> int | None:
+    """`verify` of one view: the canonical header for its payload's (or its
+    claimed) checksum, compared whole."""
     if len(obj) != object_size(ns):
         return None
-    csum = xxhash.xxh3_64_intdigest(obj[HEADER_SIZE:])
+    if payload:
+        csum = xxhash.xxh3_64_intdigest(obj[HEADER_SIZE:])
+    else:
+        csum = int.from_bytes(obj[_CSUM_FIELD], "little")
     return csum if obj[:HEADER_SIZE] == header(ns, h, csum) else None
 
 
 def require(objs: Objects, ns: Namespace, hashes: Sequence[BlockHash],
-            sums: Sequence[int] | None = None) -> list[int]:
+            sums: Sequence[int] | None = None, payload: bool = True) -> list[int]:
     """`verify`'s checksums when every object passes; else CorruptBlockError
     saying what is wrong with the first bad one (`diagnose`)."""
-    got = verify(objs, ns, hashes, sums)
+    got = verify(objs, ns, hashes, sums, payload)
     bad = next((i for i, c in enumerate(got) if c is None), None)
     if bad is not None:
-        raise diagnose(objs[bad], ns, hashes[bad])
+        raise diagnose(objs[bad], ns, hashes[bad], payload)
     return got
 
 
-def diagnose(obj: torch.Tensor | memoryview, ns: Namespace, h: BlockHash) -> CorruptBlockError:
+def diagnose(obj: torch.Tensor | memoryview, ns: Namespace, h: BlockHash, payload: bool = True) -> CorruptBlockError:
     """What `decode` finds wrong with an object that failed `verify`."""
     if not isinstance(obj, torch.Tensor):
         obj = torch.frombuffer(bytearray(obj), dtype=torch.uint8)
     try:
-        decode(obj, ns, h, verify_payload=True)
+        decode(obj, ns, h, verify_payload=payload)
     except CorruptBlockError as e:
         return e
     return CorruptBlockError("header is not canonical (reserved bytes set)")

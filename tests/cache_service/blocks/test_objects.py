@@ -134,6 +134,14 @@ def test_one_verification_api_for_rows_and_views():
     views = [memoryview(r.numpy()) for r in rows.unbind(0)]
     assert objects.verify(rows, NS, names) == objects.verify(views, NS, names) == want
     assert objects.verify(rows[:1], NS, names[:1], sums=[want[0] + 1]) == [None]  # the caller's sums are trusted
+    # headers alone (a payload bit is not seen): rows, headers only, views
+    claims = [want[0], objects.verify(rows[1:2], NS, names[1:2], payload=False)[0], None, None]
+    assert claims[1] is not None and claims[1] != checksum(rows[1, HEADER_SIZE:])
+    assert objects.verify(rows, NS, names, payload=False) == objects.verify(rows[:, :HEADER_SIZE], NS, names,
+                                                                           payload=False) == claims
+    assert objects.verify(views, NS, names, payload=False) == claims
+    with pytest.raises(CorruptBlockError, match="header checksum"):
+        objects.require(rows, NS, names, payload=False)
     # require: the checksums, or decode's diagnosis of the first bad object
     assert objects.require(views[:1], NS, names[:1]) == want[:1]
     for objs in (rows, views):
