@@ -315,8 +315,9 @@ def adopt(rows: torch.Tensor, sent_ns: Namespace, sent: Sequence[BlockHash], ns:
     return got
 
 
-# Former names, kept until the store moves to the API above (then deleted).
-sound_checksums, checked_rows, write_headers = verify, require, rehead
+# Former names, kept until the store (write_headers) and the servicer
+# (adopt_rows) move to the API above; then deleted.
+write_headers = rehead
 
 
 def adopt_rows(rows, sent_ns, sent, ns, keys) -> None:
