@@ -44,7 +44,7 @@ from cache_service.server.data_path import HANDLERS
 from cache_service.server.metrics import Metrics
 from cache_service.server.pool import HANDLERS as POOL_HANDLERS
 from cache_service.server.servicer import TierKVServicer
-from cache_service.sessions.manifests import SessionStore
+from cache_service.sessions.manifests import SessionManager, SessionStore
 from cache_service.server.attachments import Attachments
 from cache_service.store.tiered_store import TieredStore
 from proto import tierkv_pb2 as pb
@@ -70,7 +70,7 @@ class Daemon:
         self.metrics = Metrics()
         self.attachments = Attachments(Path(s.shm_dir))
         self.servicer = TierKVServicer(store, s, self.auth, self.metrics, self.attachments,
-                                       SessionStore(s.sessions_dir or default_cache_dir() / "store"))
+                                       SessionManager(store, SessionStore(s.sessions_dir or default_cache_dir() / "store")))
         self.metrics.watch_store(store.stats, self.servicer.daemon_stats)
         self.health = health.HealthServicer()
         options = [("grpc.max_receive_message_length", s.max_message_bytes),

@@ -24,11 +24,11 @@ from cache_service.config import ServerConfig
 from cache_service.server.auth import Authenticator
 from cache_service.protocol.streaming import (WIRE_VERSION, FramingError, ObjectReader, StoreMessage, admit, load_messages,
                                    object_pieces)
-from cache_service.blocks.keys import Namespace, prefix_hashes
+from cache_service.blocks.keys import Namespace
 from cache_service.server.metrics import Metrics
 from cache_service.blocks.objects import adopt_rows, object_size
 from cache_service.server.rpc import rpc
-from cache_service.sessions.manifests import SessionStore
+from cache_service.sessions.manifests import SessionManager
 from cache_service.protocol.segment import DATA_OFFSET, host_id
 from cache_service.server.attachments import Attachments
 from cache_service.store.tiered_store import TieredStore
@@ -42,7 +42,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     """Implements tierkv.v1.TierKV; thread-safe (the store and the maps are)."""
 
     def __init__(self, store: TieredStore, settings: ServerConfig, auth: Authenticator, metrics: Metrics,
-                 attachments: Attachments, sessions: SessionStore) -> None:
+                 attachments: Attachments, sessions: SessionManager) -> None:
         self.store, self.s, self.auth, self.metrics = store, settings, auth, metrics
         self.attachments, self.sessions = attachments, sessions
         self.host_id = host_id()
@@ -73,13 +73,16 @@ class TierKVServicer(pb_grpc.TierKVServicer):
                                f"{self.s.max_request_bytes}-byte limit per request; split the batch")
         return total
 
-    def _session_keys(self, msg, tenant: str | None, token_ids) -> list[BlockHash]:
-        """Store keys of the full blocks of `token_ids`, hashed as the client did
-        (under the namespace it sent)."""
+    def _session_ns(self, msg, tenant: str | None) -> Namespace:
+        """The namespace a session call hashes its tokens under (as the client did)."""
         ns = require_ns(msg)
         self.auth.resolve(tenant, ns.tenant_salt)
+        return ns
+
+    def _in_session(self, call, *args, **kwargs):
+        """`call` (a SessionManager method), whose bad token ids are the client's error."""
         try:
-            return tenant_keys(tenant, prefix_hashes(ns, list(token_ids)))
+            return call(*args, **kwargs)
         except ValueError as e:
             raise invalid(f"session token ids: {e}") from None
 
@@ -225,22 +228,24 @@ class TierKVServicer(pb_grpc.TierKVServicer):
                 "shm_attached_bytes": nbytes, "rpcs_in_flight": self.in_flight}
 
     # ------------------------------------------------------------ sessions
+    # (cache_service/sessions/manifests.py: SessionManager; the manifests' owner is the
+    # tenant asked for, the blocks' keys are salted for the authenticated one)
     @rpc
     def SaveSession(self, request, context, tenant):
         s = session_from_pb(request.session)
         s.tenant = self.auth.resolve(tenant, s.tenant)
-        keys = self._session_keys(request, tenant, s.token_ids) if request.pin else []
-        self.sessions.put(s)
-        if keys:
-            self.store.pin(keys, request.pin_ttl_s if request.pin_ttl_s > 0 else None)
+        ns = self._session_ns(request, tenant) if request.pin else None
+        self._in_session(self.sessions.save, s, ns, key_tenant=tenant, pin=request.pin,
+                         pin_ttl_s=request.pin_ttl_s if request.pin_ttl_s > 0 else None)
         return pb.SessionReply(session=session_to_pb(s), found=True)
 
     @rpc
     def ResumeSession(self, request, context, tenant):
-        s = self.sessions.get(request.session_id, self.auth.resolve(tenant, request.tenant))
+        owner = self.auth.resolve(tenant, request.tenant)
+        ns = self._session_ns(request, tenant) if request.HasField("ns") else None
+        s, cached = self._in_session(self.sessions.resume, owner, request.session_id, ns, key_tenant=tenant)
         if s is None:
             return pb.SessionReply(found=False)
-        cached = self.store.lookup(self._session_keys(request, tenant, s.token_ids)) if request.HasField("ns") else 0
         return pb.SessionReply(session=session_to_pb(s), found=True, cached_blocks=cached)
 
     @rpc
@@ -250,7 +255,6 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @rpc
     def DeleteSession(self, request, context, tenant):
         owner = self.auth.resolve(tenant, request.tenant)
-        s = self.sessions.get(request.session_id, owner) if request.HasField("ns") else None
-        if s is not None:
-            self.store.unpin(self._session_keys(request, tenant, s.token_ids))
-        return pb.DeleteSessionReply(deleted=self.sessions.delete(request.session_id, owner))
+        ns = self._session_ns(request, tenant) if request.HasField("ns") else None
+        deleted = self._in_session(self.sessions.delete, owner, request.session_id, ns, key_tenant=tenant)
+        return pb.DeleteSessionReply(deleted=deleted)

@@ -11,10 +11,10 @@ Where manifests live (one API: get / put / list / delete):
 - `S3Manifests` and `SharedSessionStore` (cache_service/sessions/shared.py):
   every node's sessions, in the deployment's bucket behind the Redis directory.
 
-`SessionManager` puts manifests and an embedded store together (save, resume
-with the number of tokens loadable now, pin with TTL, list, delete), through
-`TenantView`: a tenant's keys are salted with the tenant, so another tenant
-never finds, reads or pins its blocks, even given the right hashes.
+`SessionManager` puts manifests and a store together (save with a pin, resume
+with the number of blocks loadable now, list, delete); the daemon serves its
+session calls through it. A tenant's keys are salted with the tenant, so
+another tenant never finds, reads or pins its blocks, even given the right hashes.
 """
 from __future__ import annotations
 
@@ -25,14 +25,12 @@ import re
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from cache_service.blocks.keys import Namespace, chain_hashes, tenant_keys
 from tiers.types import BlockHash, TierKVError
 
 if TYPE_CHECKING:
-    import torch
-
     from cache_service.store.tiered_store import TieredStore
 
 log = logging.getLogger("tierkv.sessions")
@@ -139,123 +137,66 @@ class SessionStore:
             return False
 
 
-class TenantView:
-    """One tenant's view of a store, usable wherever a CacheClient is: keys
-    are ``tenant_keys(tenant, hashes)`` (as the daemon derives them) and
-    objects are written and checked under ``ns.with_tenant(tenant)``. The
-    empty tenant sees the store as is. `close` leaves the store open."""
-
-    def __init__(self, store: "TieredStore", tenant: str = "") -> None:
-        self.base, self.tenant = store, check_id(tenant, "tenant") if tenant else ""
-        self._keys = tenant_keys
-
-    def keys(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        return self._keys(self.tenant or None, hashes)
-
-    def namespace(self, ns: Namespace) -> Namespace:
-        return ns.with_tenant(self.tenant) if self.tenant else ns
-
-    def lookup(self, hashes: Sequence[BlockHash]) -> int:
-        return self.base.lookup(self.keys(hashes))
-
-    def load(self, ns: Namespace, hashes: Sequence[BlockHash]) -> "list[torch.Tensor | None]":
-        return self.base.load(self.namespace(ns), self.keys(hashes))
-
-    def store(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: "Sequence[torch.Tensor]") -> int:
-        return self.base.store(self.namespace(ns), self.keys(hashes), payloads)
-
-    def stats(self) -> dict[str, dict[str, int]]:
-        return self.base.stats()
-
-    def close(self) -> None:
-        """A view owns nothing; close the store itself."""
-
-
-@dataclass(slots=True)
-class Resumed:
-    session: Session
-    loadable_tokens: int  # prefix of session.token_ids whose KV the store can load now
-
-
 class SessionManager:
-    """Agent sessions over an embedded store: save, resume, pin, list, delete.
-    Every call names its tenant; a tenant sees only its own sessions and blocks."""
+    """Sessions over a store: manifests (any `Manifests`) plus the pins of their
+    blocks. The daemon's session calls (cache_service/server/servicer.py) run here.
 
-    def __init__(self, store: "TieredStore", manifests: Manifests) -> None:
-        self.store, self.manifests = store, manifests
+    `owner` names whose manifest it is; `key_tenant` salts the store keys of
+    the session's blocks (`tenant_keys`; None: the unsalted keys of a daemon
+    with auth off), so a tenant never finds or pins another tenant's blocks.
+    """
 
-    def view(self, tenant: str = "") -> TenantView:
-        """The client an engine of `tenant` should use (see TenantView)."""
-        return TenantView(self.store, tenant)
+    def __init__(self, store: "TieredStore", manifests: Manifests, durable_timeout_s: float | None = None) -> None:
+        """`durable_timeout_s`: `save` first waits (up to this long) for the
+        blocks to be written to the lower tiers; None: it does not wait."""
+        self.store, self.manifests, self.durable_timeout_s = store, manifests, durable_timeout_s
 
-    def save(self, tenant: str, session_id: str, token_ids: Sequence[int], ns: Namespace, *,
-             messages: list[dict] | None = None, pin_ttl_s: float | None = None,
-             durable_timeout_s: float | None = 60.0) -> Session:
-        """Record the session's tokens. Blocks are flushed to the lower tiers
-        first (up to `durable_timeout_s`), so the manifest another node reads
-        never names blocks still in flight; `pin_ttl_s` pins them too."""
-        s = self.manifests.get(session_id, tenant) or Session(check_id(session_id), tenant=tenant)
-        s.token_ids, s.model_id = [int(t) for t in token_ids], ns.model_id
-        s.namespace, s.block_tokens = ns.fingerprint().hex(), ns.block_tokens
-        if messages is not None:
-            s.messages = list(messages)
-        if pin_ttl_s:
-            self.store.pin(self._keys(s, ns), pin_ttl_s)
+    def save(self, s: Session, ns: Namespace | None = None, *, key_tenant: str | None = None, pin: bool = False,
+             pin_ttl_s: float | None = None) -> Session:
+        """Write the manifest `s`. With `pin` (needs `ns`) its blocks are pinned,
+        for `pin_ttl_s` seconds (recorded in the manifest, so a node that resumes
+        it pins them too) or, with None, until unpinned. Blocks are flushed below
+        first when the manager is durable, so a manifest another node reads
+        never names blocks still in flight."""
+        keys = self.keys(s, ns, key_tenant) if pin else []
+        if pin_ttl_s and pin:
             s.pinned_until = time.time() + pin_ttl_s
-        if durable_timeout_s and not self.store.flush(durable_timeout_s):
-            log.warning("session %s: blocks not all written below within %.0fs", session_id, durable_timeout_s)
+        if self.durable_timeout_s and not self.store.flush(self.durable_timeout_s):
+            log.warning("session %s: blocks not all written below within %.0fs", s.session_id, self.durable_timeout_s)
         self.manifests.put(s)
+        if keys:
+            self.store.pin(keys, pin_ttl_s)
         return s
 
-    def resume(self, tenant: str, session_id: str, ns: Namespace) -> Resumed | None:
-        """The session and how many of its tokens are loadable now (0 when it
-        was cached under another namespace); re-applies a live pin here."""
-        s = self.manifests.get(session_id, tenant)
-        if s is None:
-            return None
-        if s.namespace and s.namespace != ns.fingerprint().hex():
-            return Resumed(s, 0)
-        keys = self._keys(s, ns)
+    def resume(self, owner: str, session_id: str, ns: Namespace | None = None, *,
+               key_tenant: str | None = None) -> tuple[Session | None, int]:
+        """(the manifest or None, how many blocks of its token prefix the store
+        can load now: 0 without `ns` or when it was cached under another
+        namespace). With `ns`, re-applies a live pin here."""
+        s = self.manifests.get(session_id, owner)
+        if s is None or ns is None or (s.namespace and s.namespace != ns.fingerprint().hex()):
+            return s, 0
+        keys = self.keys(s, ns, key_tenant)
         left = s.pinned_until - time.time()
         if left > 0:
             self.store.pin(keys, left)
-        return Resumed(s, self.store.lookup(keys) * (s.block_tokens or ns.block_tokens))
+        return s, self.store.lookup(keys)
 
-    def pin(self, tenant: str, session_id: str, ns: Namespace, ttl_s: float) -> bool:
-        """Keep the session's blocks out of eviction for `ttl_s`, here and on
-        every node that resumes it meanwhile; False if there is no session."""
-        if ttl_s <= 0:
-            raise SessionError(f"pin ttl must be positive, got {ttl_s}")
-        s = self.manifests.get(session_id, tenant)
-        if s is None:
-            return False
-        self.store.pin(self._keys(s, ns), ttl_s)
-        s.pinned_until = time.time() + ttl_s
-        self.manifests.put(s)
-        return True
+    def list(self, owner: str = "") -> list[str]:
+        return self.manifests.list(owner)
 
-    def unpin(self, tenant: str, session_id: str, ns: Namespace) -> bool:
-        s = self.manifests.get(session_id, tenant)
-        if s is None:
-            return False
-        self.store.unpin(self._keys(s, ns))
-        s.pinned_until = 0.0
-        self.manifests.put(s)
-        return True
-
-    def list(self, tenant: str = "") -> list[str]:
-        return self.manifests.list(tenant)
-
-    def delete(self, tenant: str, session_id: str, ns: Namespace | None = None) -> bool:
-        """Forget the session (its blocks stay cached, unpinned here)."""
-        s = self.manifests.get(session_id, tenant) if ns is not None else None
+    def delete(self, owner: str, session_id: str, ns: Namespace | None = None, *,
+               key_tenant: str | None = None) -> bool:
+        """Forget the session; with `ns` its blocks are unpinned (they stay cached)."""
+        s = self.manifests.get(session_id, owner) if ns is not None else None
         if s is not None:
-            self.store.unpin(self._keys(s, ns))
-        return self.manifests.delete(session_id, tenant)
+            self.store.unpin(self.keys(s, ns, key_tenant))
+        return self.manifests.delete(session_id, owner)
 
-    def _keys(self, s: Session, ns: Namespace) -> list[BlockHash]:
+    @staticmethod
+    def keys(s: Session, ns: Namespace, key_tenant: str | None) -> list[BlockHash]:
         """Store keys of the session's full blocks, chained from the namespace
-        it was saved under, salted for its tenant."""
+        it was saved under (else `ns`), salted for `key_tenant`. ValueError for
+        token ids that are not int32."""
         root = bytes.fromhex(s.namespace) if s.namespace else ns.fingerprint()
-        hashes = chain_hashes(root, s.token_ids, s.block_tokens or ns.block_tokens)
-        return TenantView(self.store, s.tenant).keys(hashes)
+        return tenant_keys(key_tenant, chain_hashes(root, s.token_ids, s.block_tokens or ns.block_tokens))

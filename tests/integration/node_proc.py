@@ -26,38 +26,42 @@ import xxhash
 from cache_service.config import load_config
 from cache_service.factory import open_sessions, open_store
 from cache_service.blocks.keys import prefix_hashes
-from cache_service.sessions.manifests import SessionManager
+from cache_service.sessions.manifests import Session, SessionManager
 from connectors.engine import EngineConnector
 from engine import LLM, SamplingParams
+from tests.cache_service.sessions.tenant_view import TenantView
 
 
 class Node:
     def __init__(self, cfg: dict) -> None:
         config = load_config(env={}, overrides=cfg)
         self.store = open_store(config)
-        self.sessions = SessionManager(self.store, open_sessions(config, config.tiers.disk.path, self.store))
+        self.sessions = SessionManager(self.store, open_sessions(config, config.tiers.disk.path, self.store),
+                                       durable_timeout_s=60.0)
         self.llm = LLM("tiny-random", dtype="float32")
         self.ns = self.llm.kv_namespace(16)
 
     def turn(self, tenant: str, session: str, text: str, max_tokens: int) -> dict:
-        resumed = self.sessions.resume(tenant, session, self.ns)
-        history = resumed.session.token_ids if resumed else []
-        self.llm.set_kv_connector(EngineConnector(self.sessions.view(tenant), self.ns, self.llm.page_size))
+        resumed, blocks = self.sessions.resume(tenant, session, self.ns, key_tenant=tenant)
+        history = resumed.token_ids if resumed else []
+        self.llm.set_kv_connector(EngineConnector(TenantView(self.store, tenant), self.ns, self.llm.page_size))
         prompt = history + self.llm.tokenizer.encode(text)
         out = self.llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
-        s = self.sessions.save(tenant, session, prompt + out.token_ids, self.ns)
+        s = self.sessions.save(Session(session, tenant=tenant, model_id=self.ns.model_id,
+                                       namespace=self.ns.fingerprint().hex(), block_tokens=self.ns.block_tokens,
+                                       token_ids=prompt + out.token_ids), self.ns, key_tenant=tenant)
         return {"prompt": prompt, "output": out.token_ids, "tokens": s.token_ids,
-                "cached_tokens": out.num_cached_tokens, "loadable": resumed.loadable_tokens if resumed else 0}
+                "cached_tokens": out.num_cached_tokens, "loadable": blocks * self.ns.block_tokens}
 
     def resume(self, tenant: str, session: str) -> dict:
-        r = self.sessions.resume(tenant, session, self.ns)
-        return {"found": False} if r is None else {"found": True, "tokens": r.session.token_ids,
-                                                    "loadable": r.loadable_tokens}
+        s, blocks = self.sessions.resume(tenant, session, self.ns, key_tenant=tenant)
+        return {"found": False} if s is None else {"found": True, "tokens": s.token_ids,
+                                                    "loadable": blocks * self.ns.block_tokens}
 
     def digests(self, tenant: str, session: str) -> dict:
         """Digest of every full block of the session this node can load (None for a miss)."""
-        tokens = self.sessions.resume(tenant, session, self.ns).session.token_ids
-        got = self.sessions.view(tenant).load(self.ns, prefix_hashes(self.ns, tokens))
+        tokens = self.sessions.resume(tenant, session)[0].token_ids
+        got = TenantView(self.store, tenant).load(self.ns, prefix_hashes(self.ns, tokens))
         return {"digests": [None if p is None else xxhash.xxh3_128_hexdigest(p.contiguous().view(torch.uint8).numpy())
                             for p in got]}
 

@@ -20,8 +20,9 @@ import torch
 from cache_service.config import load_config
 from cache_service.factory import open_sessions, open_store
 from cache_service.blocks.keys import prefix_hashes
-from cache_service.sessions.manifests import SessionManager
+from cache_service.sessions.manifests import Session, SessionManager
 from engine import LLM, SamplingParams
+from tests.cache_service.sessions.tenant_view import TenantView
 from tests.cache_service.store.store_helpers import NS, payload_for, same
 from tests.integration.conftest import S3Server
 
@@ -167,25 +168,27 @@ def test_a_second_tenant_sees_nothing_of_the_first(node_config):
     cfg_a, cfg_b = node_config("ten-a"), node_config("ten-b")
     a, b = open_store(load_config(env={}, overrides=cfg_a)), open_store(load_config(env={}, overrides=cfg_b))
     try:
-        acme_a = SessionManager(a, open_sessions(load_config(env={}, overrides=cfg_a), "/nonexistent", a))
+        acme_a = SessionManager(a, open_sessions(load_config(env={}, overrides=cfg_a), "/nonexistent", a),
+                                durable_timeout_s=60.0)
         mgr_b = SessionManager(b, open_sessions(load_config(env={}, overrides=cfg_b), "/nonexistent", b))
         # acme stores a prompt's blocks on node A and saves its session.
         tokens = list(range(500, 500 + 4 * 8))
         hs = prefix_hashes(NS, tokens)
-        acme_a.view("acme").store(NS, hs, [payload_for(h) for h in hs])
-        acme_a.save("acme", "plan", tokens, NS)
+        TenantView(a, "acme").store(NS, hs, [payload_for(h) for h in hs])
+        acme_a.save(Session("plan", tenant="acme", namespace=NS.fingerprint().hex(), token_ids=tokens), NS,
+                    key_tenant="acme")
         # acme on node B finds all of it.
-        assert mgr_b.resume("acme", "plan", NS).loadable_tokens == 32
+        assert mgr_b.resume("acme", "plan", NS, key_tenant="acme")[1] * NS.block_tokens == 32
         # globex on node B, even with acme's exact hashes and session id: nothing.
-        globex = mgr_b.view("globex")
+        globex = TenantView(b, "globex")
         assert globex.lookup(hs) == 0
         assert globex.load(NS, hs) == [None] * 8
-        assert mgr_b.resume("globex", "plan", NS) is None
+        assert mgr_b.resume("globex", "plan", NS, key_tenant="globex") == (None, 0)
         assert mgr_b.list("globex") == [] and mgr_b.list("acme") == ["plan"]
         # nor through the untenanted view of the store: the stored keys are salted by tenant
         assert b.lookup(hs) == 0
         # and globex's probing quarantined nothing: acme still loads every block intact
-        got = mgr_b.view("acme").load(NS, hs)
+        got = TenantView(b, "acme").load(NS, hs)
         assert all(g is not None and same(g, payload_for(h)) for g, h in zip(got, hs))
         assert all(t["corrupt"] == 0 for t in list(a.stats().values()) + list(b.stats().values()))
     finally:

@@ -1,6 +1,7 @@
 """Sessions for agent resumption over a real embedded store and local
 manifests: save, resume with the loadable prefix, pin with TTL, list, delete,
-and tenants that never see each other's sessions or blocks.
+and tenants that never see each other's sessions or blocks (the daemon's
+session calls run through the same SessionManager: tests/cache_service/server).
 (Shared manifests through Redis and S3: tests/integration/test_directory.py.)"""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from cache_service.blocks.keys import prefix_hashes
 from cache_service.sessions.manifests import Session, SessionError, SessionManager, SessionStore
+from tests.cache_service.sessions.tenant_view import TenantView
 from tests.cache_service.store.store_helpers import NS, make_store, payload_for, same
 
 TOKENS = list(range(100, 124))  # six blocks of four tokens
@@ -28,8 +30,20 @@ def node(tmp_path):
 def put_blocks(mgr: SessionManager, tenant: str, tokens: list[int]) -> list:
     """Store the KV of `tokens`' full blocks as `tenant`'s engine would; returns the hashes."""
     hs = prefix_hashes(NS, tokens)
-    mgr.view(tenant).store(NS, hs, [payload_for(h) for h in hs])
+    TenantView(mgr.store, tenant).store(NS, hs, [payload_for(h) for h in hs])
     return hs
+
+
+def save(mgr: SessionManager, tenant: str, session_id: str, tokens: list[int], **kw) -> Session:
+    """Save `tenant`'s session of `tokens`, cached under NS."""
+    s = Session(session_id, tenant=tenant, model_id=NS.model_id, namespace=NS.fingerprint().hex(),
+                block_tokens=NS.block_tokens, token_ids=list(tokens), messages=kw.pop("messages", []))
+    return mgr.save(s, NS, key_tenant=tenant, **kw)
+
+
+def loadable(mgr: SessionManager, tenant: str, session_id: str, ns=NS) -> int:
+    """Tokens of the session the store can load now."""
+    return mgr.resume(tenant, session_id, ns, key_tenant=tenant)[1] * ns.block_tokens
 
 
 def test_manifest_files_round_trip_per_tenant(tmp_path):
@@ -60,27 +74,30 @@ def test_manifest_files_round_trip_per_tenant(tmp_path):
 def test_resume_reports_how_much_of_the_session_is_loadable(node):
     store, mgr = node
     hs = put_blocks(mgr, "acme", TOKENS)
-    s = mgr.save("acme", "plan", TOKENS + [999], NS, messages=[{"role": "user", "content": "go"}])
-    assert (s.namespace, s.block_tokens) == (NS.fingerprint().hex(), 4)
+    save(mgr, "acme", "plan", TOKENS + [999], messages=[{"role": "user", "content": "go"}])
     # All six full blocks are held: 24 tokens loadable (the trailing partial block never is).
-    r = mgr.resume("acme", "plan", NS)
-    assert r.session.token_ids == TOKENS + [999] and r.session.messages == [{"role": "user", "content": "go"}]
-    assert r.loadable_tokens == 24
+    s, blocks = mgr.resume("acme", "plan", NS, key_tenant="acme")
+    assert s.token_ids == TOKENS + [999] and s.messages == [{"role": "user", "content": "go"}]
+    assert blocks == 6 and mgr.resume("acme", "plan")[1] == 0  # without a namespace: the manifest only
     # Lose the fourth block: only the prefix before it counts.
-    store.delete(mgr.view("acme").keys(hs[3:4]))
-    assert mgr.resume("acme", "plan", NS).loadable_tokens == 12
+    store.delete(TenantView(store, "acme").keys(hs[3:4]))
+    assert loadable(mgr, "acme", "plan") == 12
     # An engine with another layout finds the session but can load none of it.
     other = dataclasses.replace(NS, model_id="another-model")
-    assert mgr.resume("acme", "plan", other).loadable_tokens == 0
-    assert mgr.resume("acme", "nope", NS) is None
+    assert loadable(mgr, "acme", "plan", other) == 0
+    assert mgr.resume("acme", "nope", NS) == (None, 0)
 
 
-def test_save_writes_the_blocks_below_before_the_manifest(node):
-    store, mgr = node
-    hs = put_blocks(mgr, "acme", TOKENS)
-    mgr.save("acme", "plan", TOKENS, NS)
-    # Once save returns, the disk tier (written in the background) holds every block.
-    assert store.tiers[1].contains_many(mgr.view("acme").keys(hs)) == [True] * 6
+def test_a_durable_save_writes_the_blocks_below_before_the_manifest(tmp_path):
+    store = make_store(tmp_path / "store")
+    mgr = SessionManager(store, SessionStore(tmp_path), durable_timeout_s=60.0)
+    try:
+        hs = put_blocks(mgr, "acme", TOKENS)
+        save(mgr, "acme", "plan", TOKENS)
+        # Once save returns, the disk tier (written in the background) holds every block.
+        assert store.tiers[1].contains_many(TenantView(store, "acme").keys(hs)) == [True] * 6
+    finally:
+        store.close()
 
 
 def test_a_pin_keeps_the_session_through_eviction_until_its_ttl(tmp_path):
@@ -88,45 +105,47 @@ def test_a_pin_keeps_the_session_through_eviction_until_its_ttl(tmp_path):
     mgr = SessionManager(store, SessionStore(tmp_path))
     try:
         put_blocks(mgr, "acme", TOKENS)
-        s = mgr.save("acme", "plan", TOKENS, NS, pin_ttl_s=0.5)
+        s = save(mgr, "acme", "plan", TOKENS, pin=True, pin_ttl_s=0.5)
         assert s.pinned_until > time.time()
         # Sixteen other blocks later the pinned six are all still here.
         put_blocks(mgr, "acme", list(range(5000, 5064)))
-        assert mgr.resume("acme", "plan", NS).loadable_tokens == 24
+        assert loadable(mgr, "acme", "plan") == 24
         # After the TTL they are ordinary blocks again, and the next wave evicts them.
         time.sleep(0.6)
         put_blocks(mgr, "acme", list(range(9000, 9064)))
-        assert mgr.resume("acme", "plan", NS).loadable_tokens < 24
+        assert loadable(mgr, "acme", "plan") < 24
     finally:
         store.close()
 
 
-def test_unpin_and_delete(node):
-    store, mgr = node
-    put_blocks(mgr, "acme", TOKENS)
-    mgr.save("acme", "plan", TOKENS, NS)
-    assert not mgr.pin("acme", "missing", NS, 60)
-    assert mgr.pin("acme", "plan", NS, 60) and mgr.resume("acme", "plan", NS).session.pinned_until > time.time()
-    assert mgr.unpin("acme", "plan", NS) and mgr.resume("acme", "plan", NS).session.pinned_until == 0
-    with pytest.raises(SessionError):
-        mgr.pin("acme", "plan", NS, 0)
-    # Delete forgets the manifest; the blocks stay cached for whoever has the same prefix.
-    assert mgr.list("acme") == ["plan"]
-    assert mgr.delete("acme", "plan", NS) and mgr.list("acme") == []
-    assert mgr.view("acme").lookup(prefix_hashes(NS, TOKENS)) == 6
+def test_delete_unpins_and_forgets(tmp_path):
+    store = make_store(tmp_path / "store", cpu_blocks=8, disk_blocks=None)
+    mgr = SessionManager(store, SessionStore(tmp_path))
+    try:
+        put_blocks(mgr, "acme", TOKENS)
+        save(mgr, "acme", "plan", TOKENS, pin=True)  # no ttl: pinned until unpinned
+        # Delete forgets the manifest and unpins; the blocks stay cached for whoever has the same prefix.
+        assert mgr.list("acme") == ["plan"]
+        assert mgr.delete("acme", "plan", NS, key_tenant="acme") and mgr.list("acme") == []
+        assert not mgr.delete("acme", "plan")
+        assert TenantView(store, "acme").lookup(prefix_hashes(NS, TOKENS)) == 6
+        put_blocks(mgr, "acme", list(range(5000, 5064)))  # unpinned: evicted like any other
+        assert TenantView(store, "acme").lookup(prefix_hashes(NS, TOKENS)) < 6
+    finally:
+        store.close()
 
 
 def test_another_tenant_sees_no_session_and_no_block_even_with_the_right_hashes(node):
     store, mgr = node
     hs = put_blocks(mgr, "acme", TOKENS)
-    mgr.save("acme", "plan", TOKENS, NS)
-    globex = mgr.view("globex")
+    save(mgr, "acme", "plan", TOKENS)
+    globex = TenantView(store, "globex")
     # Same hashes, same session id: nothing, whichever way globex asks.
     assert globex.lookup(hs) == 0
     assert globex.load(NS, hs) == [None] * 6
-    assert mgr.resume("globex", "plan", NS) is None and mgr.list("globex") == []
+    assert mgr.resume("globex", "plan", NS, key_tenant="globex") == (None, 0) and mgr.list("globex") == []
     assert store.lookup(hs) == 0  # the store's keys are salted: the raw hashes name nothing
     # Probing destroyed nothing: acme still loads every block intact, nothing was quarantined.
-    got = mgr.view("acme").load(NS, hs)
+    got = TenantView(store, "acme").load(NS, hs)
     assert all(g is not None and same(g, payload_for(h)) for g, h in zip(got, hs))
     assert all(t["corrupt"] == 0 for t in store.stats().values())
