@@ -1,6 +1,6 @@
-"""Direct puts: block objects another process writes straight into the top
-tier's slots (mixed into `TieredStore`, whose tiers, policies, locks and
-placement helpers it uses).
+"""Shared-slot puts: block objects another process writes straight into the
+top tier's slots. `SharedSlots` works on the store's `StoreState`
+(cache_service/store/state.py) and makes room through its `Placement`.
 
 The daemon's host pool can live in shared memory (`SlotPool(shared=True)`)
 that a same-host client maps (cache_service/server/pool.py). A store then costs one
@@ -26,21 +26,25 @@ import torch
 
 from cache_service.blocks.keys import Namespace
 from cache_service.blocks.objects import HEADER_SIZE, claimed_in_heads, decode, object_size, write_headers
+from cache_service.store.placement import Placement
+from cache_service.store.state import StoreState
 from cache_service.store.writer import Item
+from tiers.base import SlotTier
 from tiers.types import BlockHash, CapacityError, CorruptBlockError
 
 HELD, NO_ROOM = -1, -2  # `reserve`'s answers for a block that gets no slot
 
 
-class DirectPuts:
+class SharedSlots:
     """`reserve` / `commit` / `unreserve` on a shared top tier (module docstring)."""
 
-    _spares_out = 0  # spare slots handed out and not yet committed or handed back (under _meta)
+    def __init__(self, state: StoreState, placement: Placement) -> None:
+        self.state, self.placement = state, placement
 
-    def shared_pool(self):
+    def shared_pool(self) -> SlotTier | None:
         """The top tier when other processes may write its slots, else None."""
-        top = self.tiers[0]
-        return top if getattr(top, "shared", False) else None
+        top = self.state.tiers[0]
+        return top if isinstance(top, SlotTier) and top.shared else None
 
     def reserve(self, ns: Namespace, keys: Sequence[BlockHash]) -> list[int]:
         """A slot of the shared top tier per key to write its object into, or
@@ -50,12 +54,12 @@ class DirectPuts:
         handed back (`unreserve`)."""
         pool, size = self.shared_pool(), object_size(ns)
         assert pool is not None, "reserve needs a shared top tier"
-        with self._locks[0]:
+        with self.state.locks[0]:
             held = pool.contains_many(keys)
             todo = [k for k, ok in zip(keys, held) if not ok]
             slots, victims = self._make_slots(pool, size, len(set(todo)), lambda: pool.reserve(todo, size))
         self._victims_down(pool, victims, slots)
-        self._touch(0, [k for k, ok in zip(keys, held) if ok])
+        self.state.touch(0, [k for k, ok in zip(keys, held) if ok])
         got = iter(slots or [None] * len(todo))
         out = []
         for ok in held:
@@ -70,12 +74,12 @@ class DirectPuts:
         at a time, over all clients; hand back (`spares_done`) any not
         committed."""
         pool, size = self.shared_pool(), object_size(ns)
-        with self._meta:
-            n = min(n, pool.num_slots // 8 - self._spares_out)
-            self._spares_out += max(0, n)
+        with self.state.meta:
+            n = min(n, pool.num_slots // 8 - self.state.spares_out)
+            self.state.spares_out += max(0, n)
         if n <= 0:
             return []
-        with self._locks[0]:
+        with self.state.locks[0]:
             slots, victims = self._make_slots(pool, size, n, lambda: pool.reserve_free(n, size))
         self.spares_done(n - len(slots or []))
         try:
@@ -87,24 +91,24 @@ class DirectPuts:
 
     def spares_done(self, n: int) -> None:
         """n spare slots were committed or handed back."""
-        with self._meta:
-            self._spares_out -= n
+        with self.state.meta:
+            self.state.spares_out -= n
 
-    def _make_slots(self, pool, size: int, n: int, take) -> tuple[list | None, list[Item]]:
+    def _make_slots(self, pool: SlotTier, size: int, n: int, take) -> tuple[list | None, list[Item]]:
         """take() after evicting room for n objects of `size` (caller holds the
         top tier's lock): (its slots, or None when the objects cannot fit a
         slot; the victims, for `_victims_down` once the lock is released)."""
         victims: list[Item] = []
         try:
-            self._make_room(0, n * pool.footprint(size), victims)
+            self.placement.make_room(0, n * pool.footprint(size), victims)
         except CapacityError:
             return None, victims
         return take(), victims
 
-    def _victims_down(self, pool, victims: list[Item], slots: list | None) -> None:
-        """`_evicted`; if that fails, the slots just taken go back first, so none is lost."""
+    def _victims_down(self, pool: SlotTier, victims: list[Item], slots: list | None) -> None:
+        """`Placement.evicted`; if that fails, the slots just taken go back first, so none is lost."""
         try:
-            self._evicted(0, victims)
+            self.placement.evicted(0, victims)
         except BaseException:
             pool.unreserve([s for s in slots or [] if s is not None])
             raise
@@ -131,19 +135,19 @@ class DirectPuts:
                 write_headers(pool.rows, ns, keys, claims, at=slots)
             # copies for write-through tiers, taken while the slots are still only ours (once published,
             # a delete could free one and another put reuse it before the copy)
-            through = [i for i in range(1, len(self.tiers)) if self.modes[i] == "through"]
+            through = self.state.through()
             copies = {k: pool.rows[s, :size].clone() for k, s in zip(keys, slots)} if through else {}
         except BaseException:
             pool.unreserve(slots)
             raise
-        with self._locks[0]:
+        with self.state.locks[0]:
             done = pool.publish(keys, slots, size)
             new = [k for k, ok in zip(keys, done) if ok]
             for k in new:
-                self.policies[0].insert(k)
-        self._publish(0, new)
+                self.state.policies[0].insert(k)
+        self.state.publish(0, new)
         for i in through:
-            self._submit(i, [(k, copies[k]) for k in new if not self._below_has(i, k)])
+            self.placement.submit(i, [(k, copies[k]) for k in new if not self.placement.below_has(i, k)])
         return len(new)
 
     def spare_limit(self, ns: Namespace) -> int:

@@ -23,11 +23,15 @@ makes the caller wait, so memory stays bounded and no lower copy is lost;
 with ``"skip"`` the lower copy is dropped and counted (``dropped``) and the
 caller never waits on slow storage.
 
-Placement (puts that evict, victims sent down, writers, promotion):
-`cache_service/store/placement.py`; objects another process writes into a shared top
-tier: `cache_service/store/shared_slots.py`. Locks: one per tier (its policy and
-membership), taken top to bottom; objects handed to writers stay in an
-in-flight map, visible to ``lookup`` and ``load`` while they move down.
+The store is three composed parts over one declared `StoreState`
+(`cache_service/store/state.py`: tiers, policies, modes, locks, the
+in-flight map, pins, counters, writers): placement (puts that evict,
+victims sent down, writers, promotion) in `cache_service/store/placement.py`;
+objects another process writes into a shared top tier in
+`cache_service/store/shared_slots.py`; lookups, loads and stores here.
+Locks: one per tier (its policy and membership), taken top to bottom;
+objects handed to writers stay in an in-flight map, visible to ``lookup``
+and ``load`` while they move down.
 
 Directory (optional, ``cache_service/directory/redis_directory.py``): blocks landing in a tier other
 nodes can see (this node's disk, S3) are published, evicted or deleted ones
@@ -39,60 +43,46 @@ for any block) and promotes it like any hit.
 from __future__ import annotations
 
 import logging
-import math
-import threading
 import time
-from collections import OrderedDict
 from functools import partial
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from cache_service.config import StoreConfig
-from cache_service.store.shared_slots import DirectPuts
-from cache_service.store.eviction.base import EvictionPolicy
 from cache_service.blocks.keys import Namespace
-from cache_service.store.placement import BlockMoves
 from cache_service.blocks.objects import (HEADER_SIZE, checksums, claimed_checksum, claimed_checksums, decode, encode,
-                                   encode_into, object_size)
+                                          encode_into, object_size)
+from cache_service.config import StoreConfig
+from cache_service.store.eviction.base import EvictionPolicy
+from cache_service.store.placement import Placement
+from cache_service.store.shared_slots import SharedSlots
+from cache_service.store.state import StoreState
 from cache_service.store.writer import Item, TierWriter
-from tiers.base import Tier
+from tiers.base import SlotTier, Tier
 from tiers.types import BlockHash, CorruptBlockError, TierKVError
 
 if TYPE_CHECKING:
     from cache_service.directory.redis_directory import RedisDirectory
 
 log = logging.getLogger("tierkv.store")
-_COUNTERS = ("hits", "misses", "evictions", "corrupt", "promoted", "demoted", "dropped", "bypassed", "deferred")
 
 
-class TieredStore(BlockMoves, DirectPuts):
+class TieredStore:
     """The block store; thread-safe. Build with `open_store(config)` or directly."""
 
     def __init__(self, tiers: Sequence[Tier], policies: Sequence[EvictionPolicy],
                  write_modes: Sequence[str], cfg: StoreConfig | None = None,
                  directory: "RedisDirectory | None" = None) -> None:
-        assert tiers and len(tiers) == len(policies) == len(write_modes)
-        self.directory = directory
-        # directory location of each tier (None: not visible to other nodes)
-        self._where = [directory.location_of(t.name) if directory else None for t in tiers]
+        st = self._state = StoreState(list(tiers), list(policies), list(write_modes), cfg or StoreConfig(), directory)
+        self.tiers, self.modes, self.cfg, self.directory = st.tiers, st.modes, st.cfg, st.directory  # for callers
         self._reads_s3 = directory is not None and any(t.name == "s3" for t in tiers)
-        self.cfg = cfg or StoreConfig()
-        self.tiers = list(tiers)
-        self.policies = list(policies)
-        self.modes = list(write_modes)
-        self._locks = [threading.RLock() for _ in tiers]
-        self._inflight: dict[BlockHash, list] = {}  # hash -> [object, pending writes]
-        self._meta = threading.Lock()  # guards _inflight, _pins, counters
-        self._pins: dict[BlockHash, float] = {}
-        self._below_hits: OrderedDict[BlockHash, int] = OrderedDict()  # lower-tier hits not yet promoted
-        self._deferred = [OrderedDict() for _ in tiers]  # per tier: blocks refused while it was down
-        self.counters = [dict.fromkeys(_COUNTERS, 0) for _ in tiers]
+        self._placement = moves = Placement(st)
+        self._slots = SharedSlots(st, moves)
         # writer 0 promotes hits into the top tier; writer i > 0 fills tier i
-        self._writers = [TierWriter(t.name if i else f"{t.name}-promote", self.cfg.queue_depth,
-                                    partial(self._persist, i), tick=partial(self._retry_deferred, i) if i else None)
-                         for i, t in enumerate(tiers)]
-        for pol, tier in zip(self.policies, self.tiers):
+        st.writers[:] = [TierWriter(t.name if i else f"{t.name}-promote", st.cfg.queue_depth, partial(moves.persist, i),
+                                    tick=partial(moves.retry_deferred, i) if i else None)
+                         for i, t in enumerate(st.tiers)]
+        for pol, tier in zip(st.policies, st.tiers):
             for h in tier.keys():  # oldest first, so recency survives a restart
                 pol.insert(h)
         if directory is not None:
@@ -102,9 +92,9 @@ class TieredStore(BlockMoves, DirectPuts):
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         """Length of the longest prefix of `hashes` that some tier fully holds."""
         held = [False] * len(hashes)
-        with self._meta:
+        with self._state.meta:
             for j, h in enumerate(hashes):
-                held[j] = h in self._inflight
+                held[j] = h in self._state.inflight
         for tier in self.tiers:
             todo = [j for j, ok in enumerate(held) if not ok]
             if not todo:
@@ -150,7 +140,7 @@ class TieredStore(BlockMoves, DirectPuts):
         remaining = list(range(len(hashes)))
         promote: list[tuple[int, BlockHash, torch.Tensor]] = []
         i = 0
-        while remaining and i < len(self.tiers) and hasattr(self.tiers[i], "get_into"):
+        while remaining and i < len(self.tiers) and isinstance(self.tiers[i], SlotTier):
             # a tier that wants payloads verified has them hashed as they are copied (still in cache)
             digest = HEADER_SIZE if self.tiers[i].verify_payload else None
             try:
@@ -164,13 +154,13 @@ class TieredStore(BlockMoves, DirectPuts):
             for j in remaining:
                 if j in good:
                     got[j] = True
-                    if i and self._due(i, hashes[j]):  # the caller's buffer is reused: promote a copy
+                    if i and self._placement.due(i, hashes[j]):  # the caller's buffer is reused: promote a copy
                         promote.append((i, hashes[j], outs[j].clone()))
                 else:
                     missed.append(j)
             self._settle(i, hashes, remaining, missed)
             remaining, i = missed, i + 1
-        self._promote(promote)
+        self._placement.promote(promote)
         if remaining:
             for j, p in zip(remaining, self._load_from(i, ns, [hashes[j] for j in remaining])):
                 if p is not None:
@@ -193,21 +183,21 @@ class TieredStore(BlockMoves, DirectPuts):
             missed = []
             for j, obj in zip(remaining, objs):
                 if obj is not None and self._accept(i, ns, hashes[j], obj, out, j):
-                    if i and self._due(i, hashes[j]):
+                    if i and self._placement.due(i, hashes[j]):
                         promote.append((i, hashes[j], obj))
                 else:
                     missed.append(j)
             self._settle(i, hashes, remaining, missed)
             remaining = missed
         self._load_inflight(ns, hashes, remaining, out)
-        self._promote(promote)
+        self._placement.promote(promote)
         return out
 
     def _settle(self, i: int, hashes: Sequence[BlockHash], asked: list[int], missed: list[int]) -> None:
         """Recency and hit/miss counters of tier i after one batched read."""
         missed_set = set(missed)
-        self._touch(i, [hashes[j] for j in asked if j not in missed_set])
-        self._count(i, hits=len(asked) - len(missed), misses=len(missed))
+        self._state.touch(i, [hashes[j] for j in asked if j not in missed_set])
+        self._state.count(i, hits=len(asked) - len(missed), misses=len(missed))
 
     def _accept(self, i: int, ns: Namespace, h: BlockHash, obj: torch.Tensor, out: list, j: int) -> bool:
         out[j] = self._verified(i, ns, h, obj)
@@ -242,8 +232,8 @@ class TieredStore(BlockMoves, DirectPuts):
             return None
 
     def _load_inflight(self, ns: Namespace, hashes: Sequence[BlockHash], todo: list[int], out: list) -> None:
-        with self._meta:
-            found = [(j, self._inflight[hashes[j]][0]) for j in todo if hashes[j] in self._inflight]
+        with self._state.meta:
+            found = [(j, self._state.inflight[hashes[j]][0]) for j in todo if hashes[j] in self._state.inflight]
         for j, obj in found:
             out[j] = decode(obj, ns, hashes[j], verify_payload=False)
 
@@ -278,83 +268,87 @@ class TieredStore(BlockMoves, DirectPuts):
         return self._store_new(hashes, held, new, owned)
 
     def _store_new(self, hashes: Sequence[BlockHash], held: list[bool], new: list[Item], owned: bool) -> int:
-        self._touch(0, [h for h, ok in zip(hashes, held) if ok])
-        stored = self._put(0, new, owned)
-        through = [i for i in range(1, len(self.tiers)) if self.modes[i] == "through"]
+        self._state.touch(0, [h for h, ok in zip(hashes, held) if ok])
+        stored = self._placement.put(0, new, owned)
+        through = self._state.through()
         if through and not owned:  # writers hold objects past this call
             new = [(h, obj.clone()) for h, obj in new]
         for i in through:
-            self._submit(i, [it for it in new if not self._below_has(i, it[0])])
+            self._placement.submit(i, [it for it in new if not self._placement.below_has(i, it[0])])
         return len(stored)
+
+    # ------------------------------------------------------------------ a shared top tier (SharedSlots)
+    def shared_pool(self) -> SlotTier | None:
+        """The top tier when other processes may write its slots, else None."""
+        return self._slots.shared_pool()
+
+    def reserve(self, ns: Namespace, keys: Sequence[BlockHash]) -> list[int]:
+        """A slot per key for a client to write its object into (`SharedSlots.reserve`)."""
+        return self._slots.reserve(ns, keys)
+
+    def reserve_spare(self, ns: Namespace, n: int) -> list[int]:
+        """Up to n slots for blocks named at `commit` (`SharedSlots.reserve_spare`)."""
+        return self._slots.reserve_spare(ns, n)
+
+    def spares_done(self, n: int) -> None:
+        """n spare slots were committed or handed back."""
+        self._slots.spares_done(n)
+
+    def commit(self, sent_ns: Namespace, sent: Sequence[BlockHash], ns: Namespace,
+               keys: Sequence[BlockHash], slots: Sequence[int]) -> int:
+        """Publish reserved slots the client wrote as blocks (`SharedSlots.commit`)."""
+        return self._slots.commit(sent_ns, sent, ns, keys, slots)
+
+    def spare_limit(self, ns: Namespace) -> int:
+        """How many spare slots one client may hold (`SharedSlots.spare_limit`)."""
+        return self._slots.spare_limit(ns)
+
+    def unreserve(self, slots: Sequence[int]) -> None:
+        """Hand back reserved slots that will not be committed."""
+        self._slots.unreserve(slots)
+
+    @property
+    def _spares_out(self) -> int:
+        """Spare slots out now (what tests/cache_service/server/test_pool.py checks)."""
+        return self._state.spares_out
 
     # ------------------------------------------------------------------ admin
     def delete(self, hashes: Sequence[BlockHash]) -> int:
         """Remove blocks from every tier; returns how many tier copies went."""
-        with self._meta:
+        with self._state.meta:
             for h in hashes:
-                self._inflight.pop(h, None)
-                self._pins.pop(h, None)
+                self._state.inflight.pop(h, None)
+                self._state.pins.pop(h, None)
         n = 0
         for i, tier in enumerate(self.tiers):
-            with self._locks[i]:
+            with self._state.locks[i]:
                 n += tier.delete_many(hashes)
                 for h in hashes:
-                    self.policies[i].remove(h)
-            self._publish(i, hashes, present=False)
+                    self._state.policies[i].remove(h)
+            self._state.publish(i, hashes, present=False)
         return n
 
     def pin(self, hashes: Sequence[BlockHash], ttl_s: float | None = None) -> None:
         """Keep blocks out of eviction until `ttl_s` passes (None: until unpin)."""
-        until = math.inf if ttl_s is None else time.monotonic() + ttl_s
-        with self._meta:
-            for h in hashes:
-                self._pins[h] = max(until, self._pins.get(h, 0.0))
+        self._state.pin(hashes, ttl_s)
 
     def unpin(self, hashes: Sequence[BlockHash]) -> None:
-        with self._meta:
-            for h in hashes:
-                self._pins.pop(h, None)
-
-    def _is_pinned(self, h: BlockHash) -> bool:
-        with self._meta:
-            until = self._pins.get(h)
-            if until is not None and until <= time.monotonic():
-                del self._pins[h]
-                until = None
-        return until is not None
+        """Let blocks be evicted again."""
+        self._state.unpin(hashes)
 
     def _quarantine(self, i: int, h: BlockHash) -> None:
-        with self._locks[i]:
+        with self._state.locks[i]:
             self.tiers[i].quarantine([h])
-            self.policies[i].remove(h)
-        self._publish(i, [h], present=False)
-        self._count(i, corrupt=1)
-
-    def _publish(self, i: int, hashes: Sequence[BlockHash], present: bool = True) -> None:
-        """Tell the directory (queued, no I/O here) that tier i now holds, or
-        no longer holds, these blocks; a no-op for tiers only this node sees."""
-        where = self._where[i]
-        if where is not None and hashes:
-            (self.directory.publish if present else self.directory.unpublish)(where, hashes)
+            self._state.policies[i].remove(h)
+        self._state.publish(i, [h], present=False)
+        self._state.count(i, corrupt=1)
 
     def _announce(self, redis_was_empty: bool) -> None:
         """Directory callback on (re)registration: re-publish this node's
         disk; after Redis lost its data, the S3 blocks this node knows too."""
         for i, tier in enumerate(self.tiers):
-            if self._where[i] is not None and (tier.name != "s3" or redis_was_empty):
-                self._publish(i, tier.keys())
-
-    def _touch(self, i: int, hashes: Sequence[BlockHash]) -> None:
-        if hashes:
-            with self._locks[i]:
-                for h in hashes:
-                    self.policies[i].touch(h)
-
-    def _count(self, i: int, **deltas: int) -> None:
-        with self._meta:
-            c = self.counters[i]
-            for k, v in deltas.items():
-                c[k] += v
+            if self._state.where[i] is not None and (tier.name != "s3" or redis_was_empty):
+                self._state.publish(i, tier.keys())
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier: store counters (hits, misses, evictions, corrupt, ...)
@@ -362,19 +356,19 @@ class TieredStore(BlockMoves, DirectPuts):
         Hits and misses are the store's (the tier also serves eviction reads)."""
         out = {}
         for i, tier in enumerate(self.tiers):
-            with self._meta:
-                c = dict(self.counters[i])
+            with self._state.meta:
+                c = dict(self._state.counters[i])
             t = tier.stats.as_dict()
             c["corrupt"] += t["corrupt"]  # the tier's own checksum failures plus ours
             t.update(c)
-            t["queue_depth"] = self._writers[i].depth()
+            t["queue_depth"] = self._state.writers[i].depth()
             out[tier.name] = t
         return out
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every background write and promotion has landed (True) or timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for w in self._writers:  # promotions first: their evictions feed the writers below
+        for w in self._state.writers:  # promotions first: their evictions feed the writers below
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not w.flush(left):
                 return False
@@ -386,7 +380,7 @@ class TieredStore(BlockMoves, DirectPuts):
         """Flush background writes (up to cfg.flush_timeout_s), then close tiers."""
         if not self.flush(self.cfg.flush_timeout_s):
             log.warning("close: background writes did not finish within %.0fs", self.cfg.flush_timeout_s)
-        for w in self._writers:
+        for w in self._state.writers:
             w.stop(1.0)
         for tier in self.tiers:
             tier.close()

@@ -1,0 +1,106 @@
+"""The state a TieredStore's parts share (`TieredStore`, `Placement`,
+`SharedSlots`), declared in one place, with the small helpers that only
+touch it: counters, recency, pins, directory announcements.
+
+Locks: ``locks[i]`` guards tier i's membership and its policy (taken top to
+bottom when more than one is held); ``meta`` guards the in-flight map, the
+pins, the counters, the remembered lower-tier hits, the deferred blocks and
+the count of spare slots out. No I/O happens under ``meta``.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+from cache_service.config import StoreConfig
+from cache_service.store.eviction.base import EvictionPolicy
+from tiers.base import Tier
+from tiers.types import BlockHash
+
+if TYPE_CHECKING:
+    from cache_service.directory.redis_directory import RedisDirectory
+    from cache_service.store.writer import TierWriter
+
+COUNTERS = ("hits", "misses", "evictions", "corrupt", "promoted", "demoted", "dropped", "bypassed", "deferred")
+
+
+@dataclass(slots=True)
+class StoreState:
+    """Tiers top (fastest) to bottom, each with its policy and write mode, and
+    what the store keeps about them (module docstring for the locks)."""
+
+    tiers: list[Tier]
+    policies: list[EvictionPolicy]
+    modes: list[str]  # per tier: "through" (every new block) or "back" (blocks evicted from above)
+    cfg: StoreConfig
+    directory: "RedisDirectory | None" = None
+    where: list[str | None] = field(init=False)  # directory location per tier (None: only this node sees it)
+    locks: list[threading.RLock] = field(init=False)
+    meta: threading.Lock = field(default_factory=threading.Lock)
+    inflight: dict[BlockHash, list] = field(default_factory=dict)  # hash -> [object, pending writes]
+    pins: dict[BlockHash, float] = field(default_factory=dict)  # hash -> monotonic deadline
+    below_hits: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict)  # lower-tier hits not yet promoted
+    deferred: list[OrderedDict[BlockHash, None]] = field(init=False)  # per tier: blocks refused while it was down
+    counters: list[dict[str, int]] = field(init=False)
+    # writer 0 promotes hits into the top tier; writer i > 0 fills tier i (set by the store once built)
+    writers: list["TierWriter"] = field(default_factory=list)
+    spares_out: int = 0  # spare slots handed out and not yet committed or handed back
+
+    def __post_init__(self) -> None:
+        assert self.tiers and len(self.tiers) == len(self.policies) == len(self.modes)
+        d = self.directory
+        self.where = [d.location_of(t.name) if d else None for t in self.tiers]
+        self.locks = [threading.RLock() for _ in self.tiers]
+        self.deferred = [OrderedDict() for _ in self.tiers]
+        self.counters = [dict.fromkeys(COUNTERS, 0) for _ in self.tiers]
+
+    def through(self) -> list[int]:
+        """Indexes of the write-through tiers below the top (they get a copy of every new block)."""
+        return [i for i in range(1, len(self.tiers)) if self.modes[i] == "through"]
+
+    def count(self, i: int, **deltas: int) -> None:
+        """Add to tier i's store counters."""
+        with self.meta:
+            c = self.counters[i]
+            for k, v in deltas.items():
+                c[k] += v
+
+    def touch(self, i: int, hashes: Sequence[BlockHash]) -> None:
+        """Refresh the recency of blocks tier i holds."""
+        if hashes:
+            with self.locks[i]:
+                for h in hashes:
+                    self.policies[i].touch(h)
+
+    def publish(self, i: int, hashes: Sequence[BlockHash], present: bool = True) -> None:
+        """Tell the directory (queued, no I/O here) that tier i now holds, or
+        no longer holds, these blocks; a no-op for tiers only this node sees."""
+        where = self.where[i]
+        if where is not None and hashes:
+            (self.directory.publish if present else self.directory.unpublish)(where, hashes)
+
+    def pin(self, hashes: Sequence[BlockHash], ttl_s: float | None) -> None:
+        """Keep blocks out of eviction until `ttl_s` passes (None: until unpinned)."""
+        until = math.inf if ttl_s is None else time.monotonic() + ttl_s
+        with self.meta:
+            for h in hashes:
+                self.pins[h] = max(until, self.pins.get(h, 0.0))
+
+    def unpin(self, hashes: Sequence[BlockHash]) -> None:
+        """Let blocks be evicted again."""
+        with self.meta:
+            for h in hashes:
+                self.pins.pop(h, None)
+
+    def is_pinned(self, h: BlockHash) -> bool:
+        """Whether `h` is pinned now (an expired pin is dropped)."""
+        with self.meta:
+            until = self.pins.get(h)
+            if until is not None and until <= time.monotonic():
+                del self.pins[h]
+                until = None
+        return until is not None
