@@ -11,6 +11,7 @@ import torch
 from cache_service.blocks.keys import Namespace
 from cache_service.blocks.objects import decode, encode, object_size
 import tiers.cpu
+from tiers.base import SlotTier
 from tiers.cpu import CpuTier
 from tiers.hbm import HbmTier
 from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError
@@ -35,6 +36,14 @@ def key(i: int) -> BlockHash:
 def content(i: int, n: int = SLOT) -> torch.Tensor:
     """Bytes of object i: seeded by i, so any reader can check them."""
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+
+
+def test_pools_are_slot_tiers_with_their_capabilities(make_pool):
+    # the store tells slot pools from other tiers by SlotTier, not by probing for methods
+    pool = make_pool(4 * SLOT)
+    assert isinstance(pool, SlotTier)
+    assert pool.num_slots == 4 and pool.rows.shape == (4, SLOT) and pool.slot_bytes == SLOT
+    assert pool.shared == (pool.share_fd >= 0)
 
 
 def test_round_trip_is_byte_identical(make_pool):
