@@ -12,15 +12,14 @@ engine recomputes from there, so a bad cache never changes an answer.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
-from cache_service.blocks.keys import Namespace, prefix_hashes
+from cache_service.blocks.keys import Namespace
 from connectors.client import CacheClient
+from connectors.prefix import StoredBlocks, block_hashes, full_blocks, loaded_prefix
 from kernels import gather_blocks, scatter_blocks
-from tiers.types import BlockHash
 
 log = logging.getLogger("tierkv.connector")
 
@@ -46,14 +45,13 @@ class EngineConnector:
         self.client, self.ns, self.page_size = client, ns, page_size
         self.block_tokens = ns.block_tokens
         self._pages_per_block = ns.block_tokens // page_size
-        self._known: OrderedDict[BlockHash, None] = OrderedDict()  # recently stored or loaded
-        self._remember = remember
+        self._known = StoredBlocks(remember)
         self.stats = ConnectorStats()
 
     def num_cached_tokens(self, token_ids: list[int]) -> int:
         self.stats.lookups += 1
         try:
-            return self.client.lookup(prefix_hashes(self.ns, token_ids)) * self.block_tokens
+            return self.client.lookup(full_blocks(self.ns, token_ids)) * self.block_tokens
         except Exception:  # dispatch boundary: an unusable cache is a miss
             log.exception("lookup failed; treating as a miss")
             self.stats.errors += 1
@@ -62,7 +60,7 @@ class EngineConnector:
     def load(self, token_ids: list[int], start: int, end: int, page_ids: list[int], kv_cache: torch.Tensor) -> int:
         bt = self.block_tokens
         assert start % bt == 0 and end % bt == 0 and len(page_ids) * self.page_size >= end - start
-        hashes = prefix_hashes(self.ns, token_ids[:end])[start // bt:]
+        hashes = block_hashes(self.ns, token_ids, start, end)
         before = self._hits()
         try:
             payloads = self.client.load(self.ns, hashes)
@@ -70,13 +68,13 @@ class EngineConnector:
             log.exception("load failed; recomputing")
             self.stats.errors += 1
             return start
-        n = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
+        n = loaded_prefix(payloads)
         self.stats.blocks_failed += len(payloads) - n
         if n:
             table = self._table(page_ids[: n * self._pages_per_block], kv_cache.device)
             blocks = torch.stack(payloads[:n]).to(device=kv_cache.device, dtype=kv_cache.dtype)
             scatter_blocks(blocks, table, kv_cache)
-            self._remember_all(hashes[:n])
+            self._known.add(hashes[:n])
         self.stats.blocks_loaded += n
         self._add_hits(before)
         return start + n * bt
@@ -85,8 +83,8 @@ class EngineConnector:
         n_blocks = min(num_tokens // self.block_tokens, len(page_ids) // self._pages_per_block)
         if n_blocks == 0:
             return
-        hashes = prefix_hashes(self.ns, token_ids[: n_blocks * self.block_tokens])
-        new = [i for i, h in enumerate(hashes) if h not in self._known]
+        hashes = block_hashes(self.ns, token_ids, 0, n_blocks * self.block_tokens)
+        new = self._known.new(hashes)
         if not new:
             return
         ppb = self._pages_per_block
@@ -99,20 +97,13 @@ class EngineConnector:
             self.stats.errors += 1
             return
         self.stats.blocks_saved += len(new)
-        self._remember_all(hashes[i] for i in new)
+        self._known.add(hashes[i] for i in new)
 
     def close(self) -> None:
         self.client.close()
 
     def _table(self, pages: list[int], device: torch.device) -> torch.Tensor:
         return torch.tensor(pages, dtype=torch.int64, device=device).view(-1, self._pages_per_block)
-
-    def _remember_all(self, hashes) -> None:
-        for h in hashes:
-            self._known[h] = None
-            self._known.move_to_end(h)
-        while len(self._known) > self._remember:
-            self._known.popitem(last=False)
 
     def _hits(self) -> dict[str, int]:
         try:

@@ -1,10 +1,12 @@
-"""Model identity for block keys, shared by every engine we connect.
+"""Model identity and the KV namespace, shared by every engine we connect.
 
 Two engines (ours, vLLM) loading the same checkpoint must put the same
 `model_id` into the namespace, or they could never share cached KV; two
 different checkpoints must never share it. So the id is derived from the
 files, not from a name: the directory name for humans, plus xxh3_64 over
-config.json and every *.safetensors file, in name order.
+config.json and every *.safetensors file, in name order. `kv_namespace`
+builds the namespace an engine's blocks are keyed under from that id and the
+KV layout (engine/llm.py and connectors/vllm/connector.py both call it).
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import xxhash
+
+from cache_service.blocks.keys import Namespace
 
 
 @lru_cache(maxsize=32)
@@ -31,3 +35,17 @@ def model_id_for_dir(path: str | os.PathLike) -> str:
     files = [p / "config.json", *sorted(p.glob("*.safetensors"))]
     stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     return f"{p.name}@{_digest(str(p), stamp)}"
+
+
+def kv_namespace(model: str | os.PathLike, kv_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, *,
+                 block_tokens: int, tenant: str = "", revision: str = "", tp_rank: int = 0,
+                 tp_world: int = 1) -> Namespace:
+    """The namespace of a model's KV: `model` a local checkpoint directory
+    (identified by its files, `model_id_for_dir`) or a hub name (identified
+    by name and `revision`)."""
+    if Path(model).is_dir():
+        model_id, revision = model_id_for_dir(model), ""
+    else:
+        model_id = str(model)
+    return Namespace(model_id, kv_dtype, num_layers, num_kv_heads, head_dim, block_tokens=block_tokens,
+                     model_revision=revision, tp_rank=tp_rank, tp_world=tp_world, tenant_salt=tenant)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from cache_service.blocks.keys import Namespace
-from connectors.model_id import model_id_for_dir
+from connectors.model_id import kv_namespace, model_id_for_dir
 from engine.block_manager import BlockManager
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.kv_connector import KVConnector
@@ -95,8 +95,8 @@ class LLM:
     def kv_namespace(self, block_tokens: int = 16, tenant: str = "") -> Namespace:
         """The cache_service namespace of this engine's KV layout for a connector."""
         c = self.model_config
-        return Namespace(self.model_id, self.kv_dtype, c.num_layers, c.num_kv_heads, c.head_dim,
-                         block_tokens=block_tokens, tenant_salt=tenant)
+        return kv_namespace(self.path, self.kv_dtype, c.num_layers, c.num_kv_heads, c.head_dim,
+                            block_tokens=block_tokens, tenant=tenant)
 
     def set_kv_connector(self, connector: KVConnector | None) -> None:
         """Attach (or detach, with None) the KV connector used from the next admission on."""

@@ -36,8 +36,8 @@ Start vLLM with::
   saving in the step (vLLM's CPU worker binds its OpenMP threads to every
   core; torch copies from another thread start a second team beside them).
 
-The namespace is derived from what vLLM runs: model id
-(`connectors.model_id.model_id_for_dir` for a local directory, else the
+The namespace (`connectors.model_id.kv_namespace`) is derived from what vLLM runs: model id
+(`model_id_for_dir` for a local directory, else the
 model name and revision), KV dtype, attention layers, KV heads per TP rank,
 head dim, TP rank/world. Requests with LoRA adapters, multimodal inputs or
 prompt embeddings are neither looked up nor saved (their KV depends on more
@@ -59,7 +59,6 @@ import atexit
 import logging
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,7 +71,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from cache_service.blocks.keys import KV_DTYPES, Namespace
-from connectors.model_id import model_id_for_dir
+from connectors.model_id import kv_namespace
 from connectors.vllm.clients import acquire, close_all, release
 from connectors.vllm.pages import CpuPageLayout
 from connectors.vllm.scheduler import SchedulerSide, TierKVConfig, Transfer
@@ -158,18 +157,13 @@ def build_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     if dtype not in KV_DTYPES:
         raise ConfigError(f"KV cache dtype {dtype} is not one tierkv stores ({', '.join(KV_DTYPES)})")
     mc = vllm_config.model_config
-    model = str(mc.model)
-    if Path(model).is_dir():
-        model_id, revision = model_id_for_dir(model), ""
-    else:
-        model_id, revision = model, str(mc.revision or "")
     page = spec.block_size
     if page % cfg.block_tokens and cfg.block_tokens % page:
         raise ConfigError(f"kv_connector_extra_config.block_tokens {cfg.block_tokens} must divide or be a "
                           f"multiple of vLLM's block_size {page}")
-    ns = Namespace(model_id, dtype, len(groups[0].layer_names), heads, head_dim, block_tokens=cfg.block_tokens,
-                   model_revision=revision, tp_rank=tp_rank,
-                   tp_world=vllm_config.parallel_config.tensor_parallel_size, tenant_salt=cfg.tenant)
+    ns = kv_namespace(str(mc.model), dtype, len(groups[0].layer_names), heads, head_dim,
+                      block_tokens=cfg.block_tokens, tenant=cfg.tenant, revision=str(mc.revision or ""),
+                      tp_rank=tp_rank, tp_world=vllm_config.parallel_config.tensor_parallel_size)
     return ns, page
 
 

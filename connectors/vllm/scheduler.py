@@ -18,8 +18,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from cache_service.blocks.keys import Namespace, prefix_hashes
+from cache_service.blocks.keys import Namespace
 from connectors.client import CacheClient
+from connectors.prefix import full_blocks
 from tiers.types import BlockHash, ConfigError
 
 log = logging.getLogger("vllm.tierkv")  # under vLLM's logger, so its handler shows our lines
@@ -127,7 +128,7 @@ class SchedulerSide:
             st = self._reqs[req_id] = _Request(tokens, tenant)
         n = len(tokens)
         if len(st.hashes) != n // self.bt:
-            st.hashes = prefix_hashes(self.namespace(tenant), list(tokens[: n // self.bt * self.bt]))
+            st.hashes = full_blocks(self.namespace(tenant), tokens)
         self.stats.lookups += 1
         try:
             held = self.client.lookup(st.hashes)

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from cache_service.blocks.keys import KV_DTYPES, Namespace, prefix_hashes
+from cache_service.blocks.keys import KV_DTYPES, Namespace
 from connectors.client import CacheClient
+from connectors.prefix import block_hashes, loaded_prefix
 from connectors.vllm.pages import CpuPageLayout, PagedKV
 from connectors.vllm.scheduler import Transfer
 from tiers.types import ConfigError
@@ -104,14 +105,14 @@ class WorkerSide:
         """Load tokens [t.start, t.end); returns the end of what was loaded."""
         assert self.kv is not None, "register_kv_caches must come first"
         ns = self.namespace(t.tenant)
-        hashes = prefix_hashes(ns, t.token_ids[: t.end])[t.start // self.bt:]
+        hashes = block_hashes(ns, t.token_ids, t.start, t.end)
         try:
             payloads = self.client.load(ns, hashes)
         except Exception:  # dispatch boundary: a failed load is recomputed, never fatal
             log.exception("tierkv: load of %d blocks failed; vLLM recomputes them", len(hashes))
             self.stats.errors += 1
             payloads = [None] * len(hashes)
-        n_ok = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
+        n_ok = loaded_prefix(payloads)
         align = max(self.page, self.bt)
         tokens_ok = n_ok * self.bt // align * align
         self.stats.blocks_failed += len(payloads) - n_ok
@@ -160,7 +161,7 @@ class WorkerSide:
         blocks = blocks[skip: skip + n]
         if blocks.device.type != "cpu":
             blocks = blocks.cpu()
-        hashes = prefix_hashes(ns, t.token_ids[: t.end])[t.start // self.bt:]
+        hashes = block_hashes(ns, t.token_ids, t.start, t.end)
         assert len(hashes) == n == blocks.shape[0], (len(hashes), n, tuple(blocks.shape))
         new = self.client.store(ns, hashes, list(blocks))
         self.stats.blocks_saved += n
