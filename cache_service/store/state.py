@@ -83,6 +83,13 @@ class StoreState:
         if where is not None and hashes:
             (self.directory.publish if present else self.directory.unpublish)(where, hashes)
 
+    def announce(self, redis_was_empty: bool) -> None:
+        """Directory callback on (re)registration: re-publish this node's
+        disk; after Redis lost its data, the S3 blocks this node knows too."""
+        for i, tier in enumerate(self.tiers):
+            if self.where[i] is not None and (tier.name != "s3" or redis_was_empty):
+                self.publish(i, tier.keys())
+
     def pin(self, hashes: Sequence[BlockHash], ttl_s: float | None) -> None:
         """Keep blocks out of eviction until `ttl_s` passes (None: until unpinned)."""
         until = math.inf if ttl_s is None else time.monotonic() + ttl_s

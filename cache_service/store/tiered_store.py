@@ -86,7 +86,7 @@ class TieredStore:
             for h in tier.keys():  # oldest first, so recency survives a restart
                 pol.insert(h)
         if directory is not None:
-            directory.on_register(self._announce)
+            directory.on_register(st.announce)
 
     # ------------------------------------------------------------------ queries
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
@@ -125,8 +125,8 @@ class TieredStore:
         CPU tensor of object_size(ns) bytes; or `outs` is one ``[n, object_size]``
         tensor, whose headers are then checked in one pass); True per hit.
 
-        The allocation-free load: a hit in a tier with ``get_into`` (the slot
-        pools) is one copy, from the slot straight into the caller's buffer,
+        The allocation-free load: a hit in a `SlotTier` (the slot pools) is
+        one copy, from the slot straight into the caller's buffer,
         then verified there. Blocks those tiers miss are read as by `load`
         (promoted likewise) and written into their buffers. A miss leaves its
         buffer's contents undefined.
@@ -141,16 +141,10 @@ class TieredStore:
         promote: list[tuple[int, BlockHash, torch.Tensor]] = []
         i = 0
         while remaining and i < len(self.tiers) and isinstance(self.tiers[i], SlotTier):
-            # a tier that wants payloads verified has them hashed as they are copied (still in cache)
-            digest = HEADER_SIZE if self.tiers[i].verify_payload else None
-            try:
-                hits = self.tiers[i].get_into([hashes[j] for j in remaining], [outs[j] for j in remaining], digest)
-            except TierKVError:  # an object larger than this namespace's: not what was asked for
+            good = self._copied_in(i, ns, hashes, outs, rows, remaining)
+            if good is None:
                 break
             missed = []
-            found = [j for j, hit in zip(remaining, hits) if hit is not None and hit is not False]
-            sums = dict(zip(remaining, hits)) if digest is not None else None
-            good = set(self._verified_in_place(i, ns, hashes, outs, found, rows, sums))
             for j in remaining:
                 if j in good:
                     got[j] = True
@@ -167,6 +161,20 @@ class TieredStore:
                     encode_into(outs[j], ns, hashes[j], p)
                     got[j] = True
         return got
+
+    def _copied_in(self, i: int, ns: Namespace, hashes: Sequence[BlockHash], outs: list[torch.Tensor],
+                   rows: torch.Tensor | None, asked: list[int]) -> set[int] | None:
+        """Those of `asked` whose objects slot tier i copied into their buffers,
+        sound there (None: the tier cannot serve this namespace's buffers)."""
+        # a tier that wants payloads verified has them hashed as they are copied (still in cache)
+        digest = HEADER_SIZE if self.tiers[i].verify_payload else None
+        try:
+            hits = self.tiers[i].get_into([hashes[j] for j in asked], [outs[j] for j in asked], digest)
+        except TierKVError:  # an object larger than this namespace's: not what was asked for
+            return None
+        found = [j for j, hit in zip(asked, hits) if hit is not None and hit is not False]
+        sums = dict(zip(asked, hits)) if digest is not None else None
+        return set(self._verified_in_place(i, ns, hashes, outs, found, rows, sums))
 
     def _load_from(self, first: int, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """`load` over tiers first.. (the ones above have been asked already)."""
@@ -342,13 +350,6 @@ class TieredStore:
             self._state.policies[i].remove(h)
         self._state.publish(i, [h], present=False)
         self._state.count(i, corrupt=1)
-
-    def _announce(self, redis_was_empty: bool) -> None:
-        """Directory callback on (re)registration: re-publish this node's
-        disk; after Redis lost its data, the S3 blocks this node knows too."""
-        for i, tier in enumerate(self.tiers):
-            if self._state.where[i] is not None and (tier.name != "s3" or redis_was_empty):
-                self._state.publish(i, tier.keys())
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier: store counters (hits, misses, evictions, corrupt, ...)
