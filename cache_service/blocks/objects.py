@@ -96,27 +96,10 @@ def encode_into(out: torch.Tensor, ns: Namespace, h: BlockHash, payload: torch.T
     return obj
 
 
-def claimed_checksum(obj: torch.Tensor, ns: Namespace, h: BlockHash) -> int | None:
-    """The payload checksum in `obj`'s header if that header (and the size) is
-    exactly what an object of block `h` under `ns` has, else None: `decode`'s
-    header checks as a few bytes comparisons, for the hot paths. Callers run
-    `decode` for the diagnosis when it fails."""
-    if obj.dtype != torch.uint8 or obj.dim() != 1 or obj.numel() != object_size(ns) or obj.device.type != "cpu":
-        return None
-    return claimed_checksums(obj.view(1, -1), ns, [h])[0]
-
-
-def claimed_checksums(rows: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash]) -> list[int | None]:
-    """`claimed_checksum` of each row of ``[n, object_size]`` uint8 CPU
-    objects (row i as block hashes[i]): the fixed header bytes compared for
-    all rows at once, then each row's header checksum."""
-    assert rows.dim() == 2 and rows.dtype == torch.uint8 and rows.shape[0] == len(hashes)
-    assert rows.shape[1] == object_size(ns) and rows.device.type == "cpu"
-    return claimed_in_heads(rows[:, :HEADER_SIZE], ns, hashes)
-
-
-def claimed_in_heads(heads: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash]) -> list[int | None]:
-    """`claimed_checksums` from the objects' ``[n, HEADER_SIZE]`` headers alone."""
+def _claims(heads: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash]) -> list[int | None]:
+    """Per ``[n, HEADER_SIZE]`` header: the payload checksum it claims when it
+    is exactly block hashes[i]'s header under `ns`, else None (`decode`'s
+    header checks as a few byte comparisons over all rows at once)."""
     assert heads.dim() == 2 and tuple(heads.shape) == (len(hashes), HEADER_SIZE) and heads.dtype == torch.uint8
     if not hashes:
         return []
@@ -131,6 +114,13 @@ def claimed_in_heads(heads: torch.Tensor, ns: Namespace, hashes: Sequence[BlockH
         ok = ok and _TAIL.unpack_from(raw, k + _FIXED.size)[0] == xxhash.xxh3_64_intdigest(fixed_bytes)
         out.append(int.from_bytes(fixed_bytes[72:80], "little") if ok else None)
     return out
+
+
+def _claim(obj: torch.Tensor, ns: Namespace, h: BlockHash) -> int | None:
+    """`_claims` of one 1-D object, None too when it is not exactly the namespace's size."""
+    if obj.dtype != torch.uint8 or obj.dim() != 1 or obj.numel() != object_size(ns) or obj.device.type != "cpu":
+        return None
+    return _claims(obj[:HEADER_SIZE].view(1, -1), ns, [h])[0]
 
 
 @lru_cache(maxsize=256)
@@ -223,31 +213,44 @@ def decode(obj: torch.Tensor, ns: Namespace, h: BlockHash, verify_payload: bool 
 
 
 # ---------------------------------------------------------------- verification
-# One API for every object that crosses a wire or a process: `verify` (a
-# checksum per object, None for a bad one), `require` (the checksums, or
-# CorruptBlockError with `diagnose`'s reason) and `rehead` (a tenant's keys:
-# same payload, new header). Objects come as ``[n, object_size]`` uint8 CPU
-# rows or as a sequence of memoryviews of object_size bytes (streamed objects,
-# where a few torch calls per block would cost more than the check).
-Objects = torch.Tensor | Sequence[memoryview]
+# One API for every object read from a tier or received over a wire or from
+# another process: `verify` (a checksum per object, None for a bad one),
+# `require` (the checksums, or CorruptBlockError with `diagnose`'s reason) and
+# `rehead` (a tenant's keys: same payload, new header). Objects come as
+# ``[n, object_size]`` uint8 CPU rows, as a sequence of 1-D tensors (read
+# from a tier: any size, a wrong one fails) or as memoryviews of object_size
+# bytes (streamed objects, where a few torch calls per block would cost more
+# than the check).
+Objects = torch.Tensor | Sequence[torch.Tensor] | Sequence[memoryview]
 
 
 def verify(objs: Objects, ns: Namespace, hashes: Sequence[BlockHash],
-           sums: Sequence[int] | None = None, payload: bool = True) -> list[int | None]:
+           sums: Sequence[int | None] | None = None, payload: bool = True) -> list[int | None]:
     """Per object: its payload checksum when its header is exactly block
     hashes[i]'s under `ns` and its payload hashes to that checksum, else
     None. `sums`: the payloads' checksums, if the caller has them already
     (hashed as it copied them). Without `payload` only the headers are
     checked (the checksum they claim; rows may then be headers alone,
     ``[n, HEADER_SIZE]``)."""
-    if not isinstance(objs, torch.Tensor):
-        assert sums is None and len(objs) == len(hashes)
+    assert len(objs) == len(hashes)
+    if isinstance(objs, torch.Tensor):
+        assert objs.dim() == 2 and objs.shape[1] in ((HEADER_SIZE, object_size(ns)) if not payload else
+                                                     (object_size(ns),))
+        claims = _claims(objs[:, :HEADER_SIZE], ns, hashes)
+        payloads = list(objs[:, HEADER_SIZE:].unbind(0)) if payload and sums is None else None
+    elif objs and not isinstance(objs[0], torch.Tensor):
+        assert sums is None
         return [_verify_view(o, ns, h, payload) for o, h in zip(objs, hashes)]
+    else:
+        claims = [_claim(o, ns, h) for o, h in zip(objs, hashes)]
+        payloads = [o[HEADER_SIZE:] for o in objs] if payload and sums is None else None
     if not payload:
-        assert objs.dim() == 2 and objs.shape[1] in (HEADER_SIZE, object_size(ns))
-        return claimed_in_heads(objs[:, :HEADER_SIZE], ns, hashes)
-    claims = claimed_checksums(objs, ns, hashes)
-    sums = sums if sums is not None else checksums(list(objs[:, HEADER_SIZE:].unbind(0)))
+        return claims
+    if sums is None:  # hash only the payloads whose headers passed
+        sound = [j for j, c in enumerate(claims) if c is not None]
+        sums = [None] * len(claims)
+        for j, s in zip(sound, checksums([payloads[j] for j in sound])):
+            sums[j] = s
     return [c if c is not None and c == s else None for c, s in zip(claims, sums)]
 
 
@@ -313,13 +316,3 @@ def adopt(rows: torch.Tensor, sent_ns: Namespace, sent: Sequence[BlockHash], ns:
     if (sent_ns, list(sent)) != (ns, list(keys)):
         rehead(rows, ns, keys, got)
     return got
-
-
-# Former names, kept until the store (write_headers) and the servicer
-# (adopt_rows) move to the API above; then deleted.
-write_headers = rehead
-
-
-def adopt_rows(rows, sent_ns, sent, ns, keys) -> None:
-    """Former name of `adopt`."""
-    adopt(rows, sent_ns, sent, ns, keys)

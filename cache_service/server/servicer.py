@@ -26,7 +26,7 @@ from cache_service.protocol.streaming import (WIRE_VERSION, FramingError, Object
                                    object_pieces)
 from cache_service.blocks.keys import Namespace
 from cache_service.server.metrics import Metrics
-from cache_service.blocks.objects import adopt_rows, object_size
+from cache_service.blocks.objects import adopt, object_size
 from cache_service.server.rpc import rpc
 from cache_service.sessions.manifests import SessionManager
 from cache_service.protocol.segment import DATA_OFFSET, host_id
@@ -193,7 +193,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, self.s.max_blocks)
         rows = region.view(len(keys), S)
         try:  # the client encoded the objects in place: check them in full, then one copy into the pool
-            adopt_rows(rows, sent_ns, sent, ns, keys)
+            adopt(rows, sent_ns, sent, ns, keys)
         except CorruptBlockError as e:
             raise invalid(f"StoreShm: bad block object in shared memory ({e})") from None
         stored = self.store.store_objects(ns, keys, rows.unbind(0), verify=False)

@@ -64,22 +64,28 @@ class Placement:
                 later.popitem(last=False)
         self.state.count(i, deferred=len(hashes), dropped=over)
 
-    def retry_deferred(self, i: int, batch: int = 64, most: int = 4096) -> None:
+    def retry_deferred(self, i: int, batch: int = 64, most: int = 4096) -> bool:
         """Writer i's tick: once tier i is available again, write the blocks it
         refused while down, read back from the tiers above (a block that left
         them meanwhile is dropped and counted; one refused again is deferred
-        again, and the tick ends)."""
+        again, and the tick ends). Live writes are not starved: once a batch
+        is done and new work waits in the writer's queue, the tick ends and
+        returns True (more to do: tick again after the next live batch), so
+        an outage's backlog and the live stores behind it take turns."""
         done, later = 0, self.state.deferred[i]
         while done < most and self.state.tiers[i].available():
+            if done and self.state.writers[i].depth():
+                return bool(later)
             with self.state.meta:
                 hs = [later.popitem(last=False)[0] for _ in range(min(batch, len(later)))]
             if not hs:
-                return
+                return False
             items = self._read_above(i, hs)
             self.state.count(i, dropped=len(hs) - len(items))
             if len(self.put(i, items, retry=True)) < len(items):
-                return  # refused again (a service still coming back, say): kept for a later tick
+                return False  # refused again (a service still coming back, say): kept for a later tick
             done += len(hs)
+        return False
 
     def _read_above(self, i: int, hashes: Sequence[BlockHash]) -> list[Item]:
         """(hash, object) of each of `hashes` some tier above i holds."""

@@ -25,12 +25,12 @@ from typing import Sequence
 import torch
 
 from cache_service.blocks.keys import Namespace
-from cache_service.blocks.objects import HEADER_SIZE, claimed_in_heads, decode, object_size, write_headers
+from cache_service.blocks.objects import HEADER_SIZE, diagnose, object_size, rehead, verify
 from cache_service.store.placement import Placement
 from cache_service.store.state import StoreState
 from cache_service.store.writer import Item
 from tiers.base import SlotTier
-from tiers.types import BlockHash, CapacityError, CorruptBlockError
+from tiers.types import BlockHash, CapacityError
 
 HELD, NO_ROOM = -1, -2  # `reserve`'s answers for a block that gets no slot
 
@@ -126,13 +126,12 @@ class SharedSlots:
         try:
             pool.footprint(size)
             idx = torch.tensor(list(slots), dtype=torch.long)
-            claims = claimed_in_heads(pool.rows[:, :HEADER_SIZE].index_select(0, idx), sent_ns, sent)
+            claims = verify(pool.rows[:, :HEADER_SIZE].index_select(0, idx), sent_ns, sent, payload=False)
             bad = next((j for j, c in enumerate(claims) if c is None), None)
-            if bad is not None:  # decode names what is wrong
-                decode(pool.rows[slots[bad], :size], sent_ns, sent[bad], verify_payload=False)
-                raise CorruptBlockError("bad object header")  # pragma: no cover (decode raised)
+            if bad is not None:
+                raise diagnose(pool.rows[slots[bad], :size], sent_ns, sent[bad], payload=False)
             if (sent_ns, list(sent)) != (ns, list(keys)):  # a tenant's keys: the payloads stay, headers change
-                write_headers(pool.rows, ns, keys, claims, at=slots)
+                rehead(pool.rows, ns, keys, claims, at=slots)
             # copies for write-through tiers, taken while the slots are still only ours (once published,
             # a delete could free one and another put reuse it before the copy)
             through = self.state.through()

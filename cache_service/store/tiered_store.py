@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from cache_service.blocks.keys import Namespace
-from cache_service.blocks.objects import (HEADER_SIZE, checksums, claimed_checksum, claimed_checksums, decode, encode,
-                                          encode_into, object_size)
+from cache_service.blocks.objects import (HEADER_SIZE, checksums, decode, encode,
+                                          encode_into, object_size, require, verify)
 from cache_service.config import StoreConfig
 from cache_service.store.eviction.base import EvictionPolicy
 from cache_service.store.placement import Placement
@@ -219,15 +219,14 @@ class TieredStore:
         their checksums already); the full decode (for its diagnosis) only
         for the rest. `rows`: objs as one [n, object_size] tensor, if they are."""
         if rows is not None and found:  # all rows in one pass (indexing rows would copy them)
-            every = claimed_checksums(rows, ns, hashes)
+            every = verify(rows, ns, hashes, payload=False)
             claims = [every[j] for j in found]
         else:
-            claims = [claimed_checksum(objs[j], ns, hashes[j]) for j in found]
-        sound = [j for j, c in zip(found, claims) if c is not None]
-        if self.tiers[i].verify_payload:
-            sums = sums or dict(zip(sound, checksums([objs[j][HEADER_SIZE:] for j in sound])))
-            sound = [j for j, c in zip(found, claims) if c is not None and sums[j] == c]
-        ok = set(sound)
+            claims = verify([objs[j] for j in found], ns, [hashes[j] for j in found], payload=False)
+        if self.tiers[i].verify_payload:  # and the payloads, unless hashed as they were copied
+            sums = sums or dict(zip(found, checksums([objs[j][HEADER_SIZE:] for j in found])))
+            claims = [c if c is not None and c == sums[j] else None for j, c in zip(found, claims)]
+        ok = {j for j, c in zip(found, claims) if c is not None}
         return [j for j in found if j in ok or self._verified(i, ns, hashes[j], objs[j]) is not None]
 
     def _verified(self, i: int, ns: Namespace, h: BlockHash, obj: torch.Tensor) -> torch.Tensor | None:
@@ -269,8 +268,7 @@ class TieredStore:
         if len(hashes) != len(objs):
             raise ValueError(f"{len(hashes)} hashes but {len(objs)} objects")
         if verify:
-            for h, obj in zip(hashes, objs):
-                decode(obj, ns, h, verify_payload=True)
+            require(list(objs), ns, hashes)
         held = self.tiers[0].contains_many(hashes)
         new = [(h, obj) for h, obj, ok in zip(hashes, objs, held) if not ok]
         return self._store_new(hashes, held, new, owned)

@@ -26,12 +26,12 @@ class TierWriter:
     """Drains `q` into `write(batch)`; `write` is the store's persist function."""
 
     def __init__(self, name: str, depth: int, write: Callable[[Sequence[Item]], None], batch: int = 64,
-                 tick: Callable[[], None] | None = None, tick_s: float = 1.0) -> None:
+                 tick: Callable[[], bool | None] | None = None, tick_s: float = 1.0) -> None:
         self.name = name
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self._write = write
         self._batch = batch
-        self._tick, self._tick_s = tick, tick_s  # `tick` runs on this thread about every tick_s
+        self._tick, self._tick_s = tick, tick_s  # run on this thread every tick_s; True: again after a batch
         self._next_tick = time.monotonic() + tick_s
         self._thread = threading.Thread(target=self._run, name=f"tierkv-writer-{name}", daemon=True)
         self._thread.start()
@@ -91,6 +91,7 @@ class TierWriter:
             return
         self._next_tick = time.monotonic() + self._tick_s
         try:
-            self._tick()
+            if self._tick():  # it yielded to queued work with more of its own left: again after the next batch
+                self._next_tick = time.monotonic()
         except Exception:  # dispatch boundary, as for a batch
             log.exception("writer %s: periodic work failed", self.name)

@@ -126,7 +126,7 @@ def test_redis_and_s3_outages_mid_load(tmp_path, s3_server, s3_bucket, redis_url
     figure("outages", ops=load.ops, errors=load.errors, wrong=load.wrong, misses=load.misses,
            ops_during_redis_outage=during.get("redis"), ops_during_s3_outage=during.get("s3"),
            redis_back_s=recovered.get("redis"), s3_back_s=recovered.get("s3"),
-           s3_refused_written_s=late.get("s3"), s3_deferred=late.get("deferred"))
+           s3_refused_written_s=late.get("s3"), s3_deferred=late.get("deferred"), ops_after=after)
     assert load.errors == 0, repr(load.first_error)
     assert load.wrong == 0
     assert all(n > 0 for n in during.values()) and after > 0

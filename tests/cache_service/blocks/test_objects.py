@@ -4,7 +4,7 @@ import torch
 
 from cache_service.blocks.keys import Namespace, prefix_hashes
 from cache_service.blocks import objects
-from cache_service.blocks.objects import (HEADER_SIZE, checksum, claimed_checksum, claimed_checksums, decode, encode,
+from cache_service.blocks.objects import (HEADER_SIZE, checksum, decode, encode, verify,
                                    encode_rows, object_size)
 from tiers import host_copy
 from tiers.types import CorruptBlockError
@@ -37,24 +37,25 @@ def test_any_flipped_bit_is_detected(offset):
 
 
 def test_fast_header_check_agrees_with_decode_on_every_header_bit():
-    # an intact object: the fast check returns the payload checksum decode verifies
+    # an intact object: the header check returns the payload checksum decode verifies
     obj = encode(NS, H[0], _payload(4))
-    assert claimed_checksum(obj, NS, H[0]) == checksum(obj[HEADER_SIZE:])
+    good = checksum(obj[HEADER_SIZE:])
+    assert verify([obj], NS, H[:1], payload=False) == [good]
     # any one flipped bit of the header, padding included, makes it refuse, as decode does
     for byte in range(HEADER_SIZE):
         for bit in (0, 7):
             bad = obj.clone()
             bad[byte] ^= 1 << bit
-            assert claimed_checksum(bad, NS, H[0]) is None, (byte, bit)
-            # the same answers for many rows checked at once
+            assert verify([bad], NS, H[:1], payload=False) == [None], (byte, bit)
+            # the same answers for many rows checked at once, and for their headers alone
             rows = torch.stack([obj, bad, obj])
-            assert claimed_checksums(rows, NS, [H[0]] * 3) == [checksum(obj[HEADER_SIZE:]), None,
-                                                                checksum(obj[HEADER_SIZE:])], (byte, bit)
+            assert verify(rows, NS, [H[0]] * 3, payload=False) == [good, None, good], (byte, bit)
+            assert verify(rows[:, :HEADER_SIZE], NS, [H[0]] * 3, payload=False) == [good, None, good]
     # another block's hash, another tenant, another size: refused too
-    assert claimed_checksum(obj, NS, H[1]) is None
-    assert claimed_checksum(obj, NS.with_tenant("other"), H[0]) is None
-    assert claimed_checksum(obj[:-1], NS, H[0]) is None
-    assert claimed_checksums(torch.stack([obj, obj]), NS, H[:2])[1] is None
+    assert verify([obj], NS, [H[1]], payload=False) == [None]
+    assert verify([obj], NS.with_tenant("other"), H[:1], payload=False) == [None]
+    assert verify([obj[:-1]], NS, H[:1], payload=False) == [None]
+    assert verify(torch.stack([obj, obj]), NS, H[:2], payload=False)[1] is None
 
 
 def test_truncated_swapped_and_foreign_objects_are_detected():

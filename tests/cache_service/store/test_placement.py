@@ -3,6 +3,7 @@ bytes the tiers above still hold (the S3 outage case; the reliability suite
 stops a real S3 gateway for the same story)."""
 from __future__ import annotations
 
+import threading
 import time
 
 from cache_service.store.eviction import make_policy
@@ -21,11 +22,16 @@ class FlakyDisk(DiskTier):
 
     down = False
     refuse = 0
+    delay = 0.0  # seconds per put_many once back (a slow gateway)
+    writing: threading.Event
 
     def available(self) -> bool:
         return not self.down
 
     def put_many(self, hashes, objs):
+        if not self.down and self.delay:
+            self.writing.set()
+            time.sleep(self.delay)
         if self.down:
             return [False] * len(hashes)
         if self.refuse:
@@ -92,4 +98,23 @@ def test_a_deferred_write_refused_again_is_kept_for_a_later_tick(tmp_path):
     # the refused retries are kept: a later tick writes every block, and none is counted dropped
     assert _until(lambda: lower.contains_many(hs) == [True] * 5)
     assert lower.refuse == 0 and store.stats()["disk"]["dropped"] == 0
+    store.close()
+
+
+def test_live_writes_take_turns_with_an_outage_backlog(tmp_path):
+    store, lower = _store(tmp_path, cpu_blocks=1024)
+    backlog = hashes(640)
+    # ten batches of writes refused while the lower tier was down
+    _store_while_down(store, lower, backlog)
+    # it comes back slow; the writer starts on the backlog
+    lower.writing, lower.delay = threading.Event(), 0.05
+    lower.down = False
+    assert lower.writing.wait(20)
+    # a live store arrives meanwhile: it lands after a batch or two of the backlog, not after all of it
+    fresh = hashes(2, start=10_000)
+    store.store(NS, fresh, [payload_for(h) for h in fresh])
+    assert _until(lambda: lower.contains_many(fresh) == [True, True])
+    assert sum(lower.contains_many(backlog)) <= 320
+    # and the backlog is all written in the end
+    assert _until(lambda: lower.contains_many(backlog) == [True] * 640)
     store.close()
