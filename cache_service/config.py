@@ -25,7 +25,7 @@ reads an untyped dict. Example ``tierkv.toml``::
     [server]                    # `tierkv serve` only; its flags override these
     listen = "0.0.0.0:7600"
     metrics_port = 9600         # or "off" (the default)
-    lane_port = "off"           # the TCP data lane; default 0: any free port
+    data_port = "off"           # the TCP data path; default 0: any free port
 
 Environment variables address the same keys with ``__`` between levels:
 ``TIERKV_TIERS__CPU__CAPACITY=8GiB``, ``TIERKV_STORE__QUEUE_FULL=skip``,
@@ -248,8 +248,8 @@ class ServerConfig:
     chunk_bytes: int = 1 * MiB  # payload bytes per streamed message
     max_request_bytes: int = 1024 * MiB  # payload bytes per Store / StoreShm
     max_blocks: int = 65536  # hashes per request
-    load_batch_bytes: int = 64 * MiB  # Load reads (and holds) this much at a time; a lane call carries at most this
-    lane_port: int | None = 0  # the data lane (cache_service/server/data_path.py): 0 any free port, None off; never with TLS
+    load_batch_bytes: int = 64 * MiB  # Load reads (and holds) this much at a time; a data-path call carries at most this
+    data_port: int | None = 0  # the data path (cache_service/server/data_path.py): 0 any free port, None off; never with TLS
     workers: int = 16
     max_concurrent_rpcs: int = 256
     grace_s: float = 10.0  # SIGTERM: in-flight calls get this long to finish

@@ -37,7 +37,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("version", "host_id", "auth_required", "tenant", "max_message_bytes", "chunk_bytes", "max_request_bytes", "max_blocks", "lane_port", "lane_batch_bytes")
+    __slots__ = ("version", "host_id", "auth_required", "tenant", "max_message_bytes", "chunk_bytes", "max_request_bytes", "max_blocks", "data_port", "data_batch_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
@@ -46,8 +46,8 @@ class HelloReply(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    LANE_PORT_FIELD_NUMBER: _ClassVar[int]
-    LANE_BATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_BATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     host_id: str
     auth_required: bool
@@ -56,9 +56,9 @@ class HelloReply(_message.Message):
     chunk_bytes: int
     max_request_bytes: int
     max_blocks: int
-    lane_port: int
-    lane_batch_bytes: int
-    def __init__(self, version: _Optional[str] = ..., host_id: _Optional[str] = ..., auth_required: _Optional[bool] = ..., tenant: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_blocks: _Optional[int] = ..., lane_port: _Optional[int] = ..., lane_batch_bytes: _Optional[int] = ...) -> None: ...
+    data_port: int
+    data_batch_bytes: int
+    def __init__(self, version: _Optional[str] = ..., host_id: _Optional[str] = ..., auth_required: _Optional[bool] = ..., tenant: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_blocks: _Optional[int] = ..., data_port: _Optional[int] = ..., data_batch_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("ns", "hashes")
@@ -115,16 +115,16 @@ class AttachRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("attachment", "data_offset", "size", "doorbell")
+    __slots__ = ("attachment", "data_offset", "size", "socket_path")
     ATTACHMENT_FIELD_NUMBER: _ClassVar[int]
     DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    DOORBELL_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
     attachment: str
     data_offset: int
     size: int
-    doorbell: str
-    def __init__(self, attachment: _Optional[str] = ..., data_offset: _Optional[int] = ..., size: _Optional[int] = ..., doorbell: _Optional[str] = ...) -> None: ...
+    socket_path: str
+    def __init__(self, attachment: _Optional[str] = ..., data_offset: _Optional[int] = ..., size: _Optional[int] = ..., socket_path: _Optional[str] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("attachment",)

@@ -21,7 +21,7 @@ an attachment is usable only by the tenant that made it.
 
 The calls themselves (LoadShm, StoreShm) carry only hashes and offsets; a
 client sends them over the daemon's same-host socket when Attach names one
-(AttachReply.doorbell; cache_service/server/socket_server.py), else through gRPC.
+(AttachReply.socket_path; cache_service/server/socket_server.py), else through gRPC.
 
 Whether the path works is proven, not guessed: the daemon advertises a host
 id (the kernel boot id) and a client on the same host tries to attach; a

@@ -45,7 +45,7 @@ class Connection:
         self.busy = False  # answering a call (close() lets it finish)
         self.fds: list[int] = []  # file descriptors to pass with the next reply (Unix sockets)
         self.on_close: list = []  # callbacks once the connection ends (what it holds is handed back)
-        self.lease = None  # the shared-pool slots reserved on this connection (cache_service/server/pool.py)
+        self.kept: dict[str, object] = {}  # what handlers keep for the connection's life (the pool's "lease")
 
     def send_part(self, reply, pieces) -> None:
         """An OK frame and raw pieces ahead of a bulk op's last reply (which

@@ -31,8 +31,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default=None, help="require client certificates signed by this CA")
     p.add_argument("--sessions-dir", default=None, help="session manifests root (default: the disk tier's path)")
-    p.add_argument("--lane-port", default=None, metavar="PORT|off",
-                   help="TCP port of the raw-bytes data lane for streaming clients (default: any free port; "
+    p.add_argument("--data-port", default=None, metavar="PORT|off",
+                   help="TCP port of the raw-bytes data path for streaming clients (default: any free port; "
                         "'off': stream through gRPC only; never opened with TLS)")
     p.add_argument("--grace", type=float, default=None, help=f"seconds in-flight calls get at shutdown "
                                                              f"(default: {d.grace_s:g})")
@@ -62,14 +62,14 @@ def run_serve(args: argparse.Namespace) -> int:
 def server_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The [server] keys the command line sets (the flags given)."""
     given = {key: getattr(args, dest) for dest, key in _FLAGS.items() if getattr(args, dest) is not None}
-    if args.lane_port is not None:
-        given["lane_port"] = _lane_port(args.lane_port)
+    if args.data_port is not None:
+        given["data_port"] = _data_port(args.data_port)
     return given
 
 
-def _lane_port(value: str) -> int | None:
+def _data_port(value: str) -> int | None:
     if value == "off":
         return None
     if not value.isdigit() or int(value) > 65535:
-        raise SystemExit(f"--lane-port must be a port number or 'off', got {value!r}")
+        raise SystemExit(f"--data-port must be a port number or 'off', got {value!r}")
     return int(value)

@@ -6,11 +6,11 @@
 Services: ``tierkv.v1.TierKV`` (cache_service/server/servicer.py), the standard
 ``grpc.health.v1.Health`` (``""`` and ``tierkv.v1.TierKV`` report SERVING
 until shutdown begins) and server reflection, so ``grpcurl`` works without
-the proto file. Auth and TLS: cache_service/server/auth.py. Same-host clients ring
+the proto file. Auth and TLS: cache_service/server/auth.py. Same-host clients call
 the shared-memory calls on a Unix socket beside it (cache_service/server/socket_server.py);
-streaming clients move bytes on a TCP data lane (cache_service/server/data_path.py).
+streaming clients move bytes on a TCP data path (cache_service/server/data_path.py).
 
-Shutdown (SIGTERM or SIGINT) drains: health turns NOT_SERVING, the doorbell
+Shutdown (SIGTERM or SIGINT) drains: health turns NOT_SERVING, the same-host socket
 and then the server stop accepting calls, in-flight calls get ``grace_s`` to finish, then
 ``store.close()`` flushes background writes (up to the store's
 ``flush_timeout_s``) and closes the tiers, so the disk index is committed
@@ -87,8 +87,8 @@ class Daemon:
         reflection.enable_server_reflection(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self.server)
         self.port = self._bind()
-        self.doorbell: DaemonSocketServer | None = None
-        self.lane: DaemonSocketServer | None = None
+        self.same_host_server: DaemonSocketServer | None = None
+        self.data_path_server: DaemonSocketServer | None = None
         self.metrics_port: int | None = None
         self._stopped = threading.Event()
 
@@ -115,12 +115,12 @@ class Daemon:
         if s.metrics_port is not None:
             self.metrics_port = self.metrics.serve(s.metrics_port, s.metrics_host)
         self.server.start()
-        try:  # the shared-memory calls' fast lane; without it clients ring through gRPC
-            self.doorbell = DaemonSocketServer(self.servicer, bulk=POOL_HANDLERS).start()
-            self.servicer.doorbell = self.doorbell.path
+        try:  # the shared-memory calls' fast path; without it clients call through gRPC
+            self.same_host_server = DaemonSocketServer(self.servicer, bulk=POOL_HANDLERS).start()
+            self.servicer.socket_path = self.same_host_server.path
         except OSError as e:
-            log.warning("no same-host doorbell socket (%s); shared-memory calls go through gRPC", e)
-        self.lane = self._open_lane()
+            log.warning("no same-host socket (%s); shared-memory calls go through gRPC", e)
+        self.data_path_server = self._open_data_path()
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         fields = {"listen": self.address, "tls": bool(s.tls_cert), "auth": self.auth.enabled,
@@ -128,21 +128,21 @@ class Daemon:
         log.info("serving", extra={"fields": fields})
         return self
 
-    def _open_lane(self) -> DaemonSocketServer | None:
-        """The streamed data lane (cache_service/server/data_path.py) on the listen host, unless off or TLS."""
+    def _open_data_path(self) -> DaemonSocketServer | None:
+        """The streamed data path (cache_service/server/data_path.py) on the listen host, unless off or TLS."""
         s = self.settings
-        if s.lane_port is None or s.tls_cert:
+        if s.data_port is None or s.tls_cert:
             return None
         host = s.listen.rpartition(":")[0].strip("[]")
         try:
-            listener = socket.create_server((host, s.lane_port), family=socket.AF_INET6 if ":" in host
+            listener = socket.create_server((host, s.data_port), family=socket.AF_INET6 if ":" in host
                                             else socket.AF_INET)
         except OSError as e:
-            log.warning("no data lane on %s:%s (%s); streaming clients use gRPC", host, s.lane_port, e)
+            log.warning("no data path on %s:%s (%s); streaming clients use gRPC", host, s.data_port, e)
             return None
-        lane = DaemonSocketServer(self.servicer, listener=listener, bulk=HANDLERS).start()
-        self.servicer.lane_port = listener.getsockname()[1]
-        return lane
+        server = DaemonSocketServer(self.servicer, listener=listener, bulk=HANDLERS).start()
+        self.servicer.data_port = listener.getsockname()[1]
+        return server
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain and shut down (idempotent): see the module doc."""
@@ -152,10 +152,10 @@ class Daemon:
         grace = self.settings.grace_s if grace_s is None else grace_s
         log.info("draining", extra={"fields": {"grace_s": grace}})
         self.health.enter_graceful_shutdown()
-        self.servicer.doorbell, self.servicer.lane_port = "", 0
-        for bell in (self.doorbell, self.lane):
-            if bell is not None:
-                bell.close(grace)
+        self.servicer.socket_path, self.servicer.data_port = "", 0
+        for server in (self.same_host_server, self.data_path_server):
+            if server is not None:
+                server.close(grace)
         self.server.stop(grace).wait()
         self.attachments.close()
         self.store.close()  # flushes background writes first

@@ -3,7 +3,7 @@
 gRPC's Python stack moves 1 MiB messages at 0.06-0.09 x memcpy on this
 kind of machine with no work on either side, a third of what a bare
 loopback socket does (docs/benchmarks.md). So the daemon also serves the
-two bulk calls on a plain TCP port (`HelloReply.lane_port`, on the gRPC
+two bulk calls on a plain TCP port (`HelloReply.data_port`, on the gRPC
 listen address), with the same-host socket's frames, HELLO token check, tenants,
 status codes and metrics (cache_service/server/socket_server.py):
 
@@ -18,7 +18,7 @@ status codes and metrics (cache_service/server/socket_server.py):
   is bad. An error found before the bytes were read closes the connection
   after its reply (the stream is out of step).
 
-Calls carry at most `HelloReply.lane_batch_bytes` of objects; the client
+Calls carry at most `HelloReply.data_batch_bytes` of objects; the client
 splits bigger ones. The data path is plain TCP, so a daemon serving TLS does not
 open it; clients then stream through gRPC.
 """

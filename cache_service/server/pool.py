@@ -86,10 +86,11 @@ class Lease:
 
 
 def _lease(servicer, conn: Connection) -> Lease:
-    if conn.lease is None:
-        conn.lease = Lease(servicer.store)
-        conn.on_close.append(conn.lease.release)
-    return conn.lease
+    lease = conn.kept.get("lease")
+    if lease is None:
+        lease = conn.kept["lease"] = Lease(servicer.store)
+        conn.on_close.append(lease.release)
+    return lease
 
 
 def _pool(servicer):

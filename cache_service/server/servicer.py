@@ -26,6 +26,7 @@ from cache_service.protocol.streaming import (WIRE_VERSION, FramingError, Object
                                    object_pieces)
 from cache_service.blocks.keys import Namespace
 from cache_service.server.metrics import Metrics
+from cache_service.protocol.batches import per_bytes, split
 from cache_service.blocks.objects import adopt, object_size
 from cache_service.server.rpc import rpc
 from cache_service.sessions.manifests import SessionManager
@@ -49,8 +50,8 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         self.started = time.monotonic()
         self.in_flight = 0  # RPCs being handled (rpc.py counts them); a drain waits for these
         self.in_flight_lock = threading.Lock()
-        self.doorbell = ""  # the same-host socket for the shared-memory calls, once the daemon opened one
-        self.lane_port = 0  # the streamed data lane's TCP port, once the daemon opened one
+        self.same_host_server = ""  # the same-host socket for the shared-memory calls, once the daemon opened one
+        self.data_port = 0  # the streamed data path's TCP port, once the daemon opened one
 
     # ------------------------------------------------------------ helpers
     def _blocks(self, msg, tenant: str | None, need_ns: bool = True) -> tuple[Namespace | None, list[BlockHash]]:
@@ -93,7 +94,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         return pb.HelloReply(version=WIRE_VERSION, host_id=self.host_id, auth_required=self.auth.enabled,
                              tenant=tenant or "", max_message_bytes=s.max_message_bytes, chunk_bytes=s.chunk_bytes,
                              max_request_bytes=s.max_request_bytes, max_blocks=s.max_blocks,
-                             lane_port=self.lane_port, lane_batch_bytes=s.load_batch_bytes)
+                             data_port=self.data_port, data_batch_bytes=s.load_batch_bytes)
 
     @rpc
     def Lookup(self, request, context, tenant):
@@ -107,14 +108,12 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         yield from load_messages(self._loaded(request, ns, keys, tenant), ns.payload_bytes, self.s.chunk_bytes)
 
     def _loaded(self, request, ns: Namespace, keys: list[BlockHash], tenant: str | None) -> Iterator[list | None]:
-        """Load's object pieces (framing.object_pieces) per block, None for a
+        """Load's object pieces (streaming.object_pieces) per block, None for a
         miss, read a few messages ahead of the socket: the first message leaves
         without waiting for the whole request to be read."""
         sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, self.s.max_blocks)
         S = object_size(ns)
-        group = max(1, min(self.s.load_batch_bytes, 4 * self.s.chunk_bytes) // S)
-        for start in range(0, len(keys), group):
-            part = range(start, min(len(keys), start + group))
+        for part in split(len(keys), per_bytes(min(self.s.load_batch_bytes, 4 * self.s.chunk_bytes), S)):
             buf = torch.empty(len(part) * S, dtype=torch.uint8)  # a few MiB: the allocator recycles it
             hits = self.store.load_into(ns, [keys[i] for i in part], buf.view(len(part), S).unbind(0))
             objs = memoryview(buf.numpy())
@@ -167,7 +166,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @rpc
     def Attach(self, request, context, tenant):
         aid, nbytes = self.attachments.attach(request.name, request.nonce, tenant)
-        return pb.AttachReply(attachment=aid, data_offset=DATA_OFFSET, size=nbytes, doorbell=self.doorbell)
+        return pb.AttachReply(attachment=aid, data_offset=DATA_OFFSET, size=nbytes, socket_path=self.socket_path)
 
     @rpc
     def Detach(self, request, context, tenant):

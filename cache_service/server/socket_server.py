@@ -6,7 +6,7 @@ On this kind of machine a unary gRPC call costs the Python stack 0.7-1.4 ms
 on top of its handler, about half the time of a 32 MiB shared-memory load.
 The shared-memory calls only name blocks (a ShmRequest of hashes and an
 offset; the payloads are in the segment already), so the daemon also serves
-them on a Unix socket whose path it gives in AttachReply.doorbell. The
+them on a Unix socket whose path it gives in AttachReply.socket_path. The
 socket file is mode 0600 in a private directory: only the daemon's user (who
 must be the client's anyway, to map its segment) can connect.
 

@@ -93,16 +93,16 @@ class GrpcClient:
         self._near: SameHost | None = None  # the same-host paths, once shared memory works (connectors/grpc/same_host.py)
         self._last_log: dict[str, float] = {}
         self.sessions = RemoteSessions(self.admin)  # connectors/grpc/sessions.py
-        self._lane: DataPathLink | None = None  # the TCP data path (connectors/grpc/data_path.py)
+        self._data_path: DataPathLink | None = None  # the TCP data path (connectors/grpc/data_path.py)
         try:
             self.hello = self._hello(connect_timeout_s)
             self.transport = self._pick(transport or q.get("transport", "auto"), shm_bytes)
         except BaseException:
             self.close()
             raise
-        if self.hello.lane_port and not tls:  # streamed bytes skip gRPC's stack (server/data_path.py)
-            self._lane = DataPathLink(parts.hostname, self.hello.lane_port, self.token, self.timeout_s,
-                                  self.hello.lane_batch_bytes)
+        if self.hello.data_port and not tls:  # streamed bytes skip gRPC's stack (server/data_path.py)
+            self._data_path = DataPathLink(parts.hostname, self.hello.data_port, self.token, self.timeout_s,
+                                  self.hello.data_batch_bytes)
 
     # ------------------------------------------------------------ setup
     def _hello(self, timeout_s: float) -> pb.HelloReply:
@@ -234,8 +234,8 @@ class GrpcClient:
         self.admin("Unpin", pb.BlocksRequest(hashes=list(hashes), ns=_ns(ns) if ns else None))
 
     def close(self) -> None:
-        if self._lane is not None:
-            self._lane.close()
+        if self._data_path is not None:
+            self._data_path.close()
         if self._near is not None:
             self._near.close()
         self._channel.close()
@@ -251,7 +251,7 @@ class GrpcClient:
         """Whole objects, checked (header and checksum; a corrupt block is a
         miss): over the daemon's TCP data path when it has one, else each copied
         once out of its gRPC message."""
-        got = self._lane.load(ns, list(hashes)) if self._lane is not None else None
+        got = self._data_path.load(ns, list(hashes)) if self._data_path is not None else None
         if got is not None:
             return got
         reader = framing.LoadReader(ns, hashes)
@@ -270,7 +270,7 @@ class GrpcClient:
     def _store_stream(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
         """Whole objects, checksummed here: over the TCP data path straight from the
         payloads, else copied once into gRPC messages; the daemon checks each."""
-        stored = self._lane.store(ns, list(hashes), list(payloads)) if self._lane is not None else None
+        stored = self._data_path.store(ns, list(hashes), list(payloads)) if self._data_path is not None else None
         if stored is not None:
             return stored
         head = pb.StoreChunk(ns=_ns(ns), hashes=list(hashes)).SerializeToString()

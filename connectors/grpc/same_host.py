@@ -11,7 +11,7 @@ daemon's same-host socket and, when the daemon shares it, the daemon's host pool
   (StoreShm).
 
 Calls go over the same-host socket when the daemon offered one
-(AttachReply.doorbell), else through gRPC; the pool needs the socket (its
+(AttachReply.socket_path), else through gRPC; the pool needs the socket (its
 memfd is passed over it). A failure drops the segment, the socket and the pool
 mapping (the daemon then hands back any slots still reserved); a later call
 attaches anew.
@@ -103,7 +103,7 @@ class SameHost:
             raise
         seg.unlink()  # the daemon maps it now; no name left behind if anyone dies
         self.seg, self.attachment = seg, reply.attachment
-        self.socket = SocketClient.open(reply.doorbell, self.token, self.timeout_s) if reply.doorbell else None
+        self.socket = SocketClient.open(reply.socket_path, self.token, self.timeout_s) if reply.socket_path else None
 
     def close_socket(self) -> None:
         """Hang up the same-host socket; the pool mapping goes with it (the daemon hands back its slots)."""

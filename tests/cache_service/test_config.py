@@ -66,16 +66,16 @@ def test_server_section_from_toml_env_and_flags(tmp_path):
     from cache_service.server.cli_serve import add_serve_args, server_flags
 
     f = tmp_path / "tierkv.toml"
-    f.write_text('[server]\nlisten = "0.0.0.0:7700"\nchunk_bytes = "2MiB"\nlane_port = "off"\nmetrics_port = 9600\n')
+    f.write_text('[server]\nlisten = "0.0.0.0:7700"\nchunk_bytes = "2MiB"\ndata_port = "off"\nmetrics_port = 9600\n')
     cfg = load_config(f, env={"TIERKV_SERVER__WORKERS": "4", "TIERKV_SERVER__METRICS_PORT": "off"})
     s = cfg.server
-    assert (s.listen, s.chunk_bytes, s.lane_port, s.metrics_port, s.workers) == ("0.0.0.0:7700", 2 << 20, None, None, 4)
-    assert load_config(env={}).server.lane_port == 0 and load_config(env={}).server.listen == "127.0.0.1:7600"
+    assert (s.listen, s.chunk_bytes, s.data_port, s.metrics_port, s.workers) == ("0.0.0.0:7700", 2 << 20, None, None, 4)
+    assert load_config(env={}).server.data_port == 0 and load_config(env={}).server.listen == "127.0.0.1:7600"
     p = argparse.ArgumentParser()
     add_serve_args(p)
     assert server_flags(p.parse_args([])) == {}  # no flag: the config decides
-    assert server_flags(p.parse_args(["--listen", "h:1", "--lane-port", "off", "--grace", "2"])) == {
-        "listen": "h:1", "lane_port": None, "grace_s": 2.0}
+    assert server_flags(p.parse_args(["--listen", "h:1", "--data-port", "off", "--grace", "2"])) == {
+        "listen": "h:1", "data_port": None, "grace_s": 2.0}
 
 
 @pytest.mark.parametrize("text,needle", [

@@ -81,10 +81,10 @@ def test_tls_with_a_self_signed_certificate(start, tmp_path):
     d = start(listen="localhost:0", tls_cert=str(cert), tls_key=str(key))
     with GrpcClient(f"grpc://localhost:{d.port}?tls=1&ca={cert}") as c:
         assert put(c, hashes(2)) == 2 and intact(c, hashes(2))
-    # the plaintext data lane is not opened next to TLS: streamed bytes stay inside it
-    assert d.lane is None and d.servicer.lane_port == 0
+    # the plaintext data path is not opened next to TLS: streamed bytes stay inside it
+    assert d.data_path_server is None and d.servicer.data_port == 0
     with GrpcClient(f"grpc://localhost:{d.port}?tls=1&ca={cert}&transport=stream") as c:
-        assert c._lane is None and put(c, hashes(3)) == 1 and intact(c, hashes(3))
+        assert c._data_path is None and put(c, hashes(3)) == 1 and intact(c, hashes(3))
     # a plaintext client cannot talk to it
     with pytest.raises(TierUnavailableError):
         GrpcClient(f"grpc://localhost:{d.port}", connect_timeout_s=1)

@@ -1,6 +1,6 @@
-"""The streamed data lane: Load and Store as raw bytes over TCP, with gRPC's
+"""The streamed data path: Load and Store as raw bytes over TCP, with gRPC's
 auth, tenants and status codes; bad bytes store nothing; gRPC takes over
-when the lane is off or breaks."""
+when the data path is off or breaks."""
 from __future__ import annotations
 
 import socket
@@ -24,36 +24,36 @@ Code = grpc.StatusCode
 S = object_size(NS)
 
 
-def _lane(d, token: str | None = None) -> DataPathClient:
-    return DataPathClient("127.0.0.1", d.servicer.lane_port, token, 10.0, 64 * S)
+def _data_path(d, token: str | None = None) -> DataPathClient:
+    return DataPathClient("127.0.0.1", d.servicer.data_port, token, 10.0, 64 * S)
 
 
-def test_streaming_clients_move_bytes_over_the_lane(start):
+def test_streaming_clients_move_bytes_over_the_data_path(start):
     d = start()
     with GrpcClient(url(d, "stream")) as c:
-        # the daemon announced its lane; a store and a load go over it, not over gRPC
-        assert c.hello.lane_port == d.servicer.lane_port > 0
+        # the daemon announced its data path; a store and a load go over it, not over gRPC
+        assert c.hello.data_port == d.servicer.data_port > 0
         hs = hashes(12)
         assert put(c, hs) == 12 and intact(c, hs)
-        assert d.lane.calls == 2
+        assert d.data_path_server.calls == 2
         # misses keep their positions
         assert [p is not None for p in c.load(NS, [hs[0], *hashes(2, start=900), hs[5]])] == [True, False, False, True]
 
 
-def test_no_lane_when_turned_off(start):
-    # lane_port None: Hello announces none and the client streams through gRPC
-    d = start(lane_port=None)
-    assert d.lane is None and d.servicer.lane_port == 0
+def test_no_data_path_when_turned_off(start):
+    # data_port None: Hello announces none and the client streams through gRPC
+    d = start(data_port=None)
+    assert d.data_path_server is None and d.servicer.data_port == 0
     with GrpcClient(url(d, "stream")) as c:
-        assert c._lane is None and put(c, hashes(3)) == 3 and intact(c, hashes(3))
+        assert c._data_path is None and put(c, hashes(3)) == 3 and intact(c, hashes(3))
 
 
-def test_the_lane_checks_tokens_and_keeps_tenants_apart(start):
+def test_the_data_path_checks_tokens_and_keeps_tenants_apart(start):
     d = start(auth=True)
     # no token or a wrong one: refused at HELLO
-    assert _refused(lambda: _lane(d))[0] == Code.UNAUTHENTICATED
-    assert _refused(lambda: _lane(d, "not-a-token-at-all"))[0] == Code.UNAUTHENTICATED
-    acme, globex = _lane(d, TOKENS["acme"]), _lane(d, TOKENS["globex"])
+    assert _refused(lambda: _data_path(d))[0] == Code.UNAUTHENTICATED
+    assert _refused(lambda: _data_path(d, "not-a-token-at-all"))[0] == Code.UNAUTHENTICATED
+    acme, globex = _data_path(d, TOKENS["acme"]), _data_path(d, TOKENS["globex"])
     try:
         # acme's blocks: found by acme under its own hashes, never by globex with the same hashes
         hs = hashes(4)
@@ -80,39 +80,39 @@ def test_a_bad_object_stores_nothing_and_the_connection_goes_on(start, shared):
     # with a shared pool the daemon copies objects into reserved slots as it checks them: those go back too
     d = start(shared=shared)
     free = d.store.tiers[0].free_bytes()
-    lane = _lane(d)
+    data_path = _data_path(d)
     try:
         hs = hashes(3)
         objs = [encode(NS, h, payload_for(h)) for h in hs]
         objs[1][HEADER_SIZE + 7] ^= 1  # one payload bit flipped after encoding
         head = pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs).SerializeToString()
-        code, why = _refused(lambda: lane._socket.ask(Op.STORE, head, [o.numpy() for o in objs]))
+        code, why = _refused(lambda: data_path._socket.ask(Op.STORE, head, [o.numpy() for o in objs]))
         assert code == Code.INVALID_ARGUMENT and "checksum" in why
         assert d.store.lookup(hs) == 0 and d.store.tiers[0].free_bytes() == free
         # the daemon read the whole call, so the same connection serves the next one
-        assert lane.store(NS, hs, [payload_for(h) for h in hs]) == 3
-        assert all(same(p, payload_for(h)) for p, h in zip(lane.load(NS, hs), hs))
+        assert data_path.store(NS, hs, [payload_for(h) for h in hs]) == 3
+        assert all(same(p, payload_for(h)) for p, h in zip(data_path.load(NS, hs), hs))
     finally:
-        lane.close()
+        data_path.close()
 
 
 def test_calls_past_the_batch_size_are_refused_and_clients_split_them(start):
     d = start(cpu_blocks=64, load_batch_bytes=3 * S)
     # a raw call over the batch size: RESOURCE_EXHAUSTED
-    lane = _lane(d)
+    data_path = _data_path(d)
     try:
         big = pb.LoadRequest(ns=ns_to_pb(NS), hashes=hashes(4)).SerializeToString()
-        assert _refused(lambda: lane._socket.ask(Op.LOAD, big))[0] == Code.RESOURCE_EXHAUSTED
+        assert _refused(lambda: data_path._socket.ask(Op.LOAD, big))[0] == Code.RESOURCE_EXHAUSTED
     finally:
-        lane.close()
+        data_path.close()
     # the client splits by the batch size the daemon announced
     with GrpcClient(url(d, "stream")) as c:
-        assert c.hello.lane_batch_bytes == 3 * S
+        assert c.hello.data_batch_bytes == 3 * S
         assert put(c, hashes(10)) == 10 and intact(c, hashes(10))
-    # blocks bigger than the lane's batch go through gRPC
+    # blocks bigger than the data path's batch go through gRPC
     small = start(load_batch_bytes=S - 1)
     with GrpcClient(url(small, "stream")) as c:
-        assert put(c, hashes(2)) == 2 and intact(c, hashes(2)) and small.lane.calls == 0
+        assert put(c, hashes(2)) == 2 and intact(c, hashes(2)) and small.data_path_server.calls == 0
 
 
 def test_a_client_vanishing_mid_store_stores_nothing(start):
@@ -120,28 +120,28 @@ def test_a_client_vanishing_mid_store_stores_nothing(start):
     hs = hashes(4)
     head = pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs).SerializeToString()
     # HELLO, the STORE frame and half the objects, then the client is gone
-    with socket.create_connection(("127.0.0.1", d.servicer.lane_port), timeout=10) as s:
+    with socket.create_connection(("127.0.0.1", d.servicer.data_port), timeout=10) as s:
         frames.send(s, Op.HELLO, b"")
         assert frames.receive(s)[0] == 0
         frames.send(s, Op.STORE, head)
         s.sendall(b"".join(encode(NS, h, payload_for(h)).numpy().tobytes() for h in hs[:2]))
-    # nothing stored (the call counts as cancelled, not as a daemon error), and the lane still serves others
+    # nothing stored (the call counts as cancelled, not as a daemon error), and the data path still serves others
     deadline = time.monotonic() + 5
-    while d.lane.calls < 1 and time.monotonic() < deadline:
+    while d.data_path_server.calls < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert d.store.lookup(hs) == 0
     with GrpcClient(url(d, "stream")) as c:
         assert put(c, hs) == 4 and intact(c, hs)
 
 
-def test_a_broken_lane_is_one_miss_then_grpc_carries_the_calls(start):
+def test_a_broken_data_path_is_one_miss_then_grpc_carries_the_calls(start):
     d = start()
     with GrpcClient(url(d, "stream")) as c:
         hs = hashes(4)
         assert put(c, hs) == 4
-        # the daemon's lane goes away (its connections with it)
-        d.lane.close(grace_s=1.0)
+        # the daemon's data path goes away (its connections with it)
+        d.data_path_server.close(grace_s=1.0)
         # the call in the way is a miss, not an error in the caller
         assert c.load(NS, hs) == [None] * 4 and c.errors == 1
-        # until the lane is tried again, streaming goes through gRPC
+        # until the data path is tried again, streaming goes through gRPC
         assert intact(c, hs) and put(c, hashes(2, start=50)) == 2

@@ -52,7 +52,7 @@ def _map(sock: SocketClient):
 def test_a_same_host_client_stores_straight_into_the_daemons_pool(start):
     d = start(shared=True)
     with GrpcClient(url(d, "shm")) as c:
-        # the first store maps the daemon's pool (its memfd came over the doorbell) and lands in it
+        # the first store maps the daemon's pool (its memfd came over the same-host socket) and lands in it
         hs = hashes(40)
         assert put(c, hs) == 40 and c._near.pool is not None
         assert d.store.stats()["cpu"]["blocks"] == 40
@@ -72,8 +72,8 @@ def test_a_commit_leaves_spare_slots_the_next_store_starts_in(start):
         assert put(c, hashes(2)) == 2
         assert len(c._near.spare) == 4 and _free_slots(d) == 64 - 2 - 4
         # the next store fills spares at once: one same-host socket call (its Commit) instead of two
-        calls = d.doorbell.calls
-        assert put(c, hashes(3, start=10)) == 3 and d.doorbell.calls == calls + 1
+        calls = d.same_host_server.calls
+        assert put(c, hashes(3, start=10)) == 3 and d.same_host_server.calls == calls + 1
         assert intact(c, hashes(3, start=10))
         # and its Commit tops the spares up to four again, no more
         assert len(c._near.spare) == 4 and _free_slots(d) == 64 - 5 - 4
@@ -87,7 +87,7 @@ def test_a_commit_leaves_spare_slots_the_next_store_starts_in(start):
 def test_reserved_slots_go_back_when_their_connection_ends(start):
     d = start(shared=True)
     free = _free_slots(d)
-    sock = SocketClient(d.doorbell.path, None, 10.0)
+    sock = SocketClient(d.same_host_server.path, None, 10.0)
     # a client reserves four slots and dies before committing
     _map(sock)
     slots = _reserve(sock, hashes(4))
@@ -104,7 +104,7 @@ def test_reserved_slots_go_back_when_their_connection_ends(start):
 
 def test_a_connection_holds_at_most_a_requests_worth_of_slots(start):
     d = start(shared=True, max_request_bytes=4 * NS.payload_bytes)
-    sock = SocketClient(d.doorbell.path, None, 10.0)
+    sock = SocketClient(d.same_host_server.path, None, 10.0)
     try:
         # four slots reserved and not committed: a fifth is refused until they are
         rows = _map(sock)
@@ -121,7 +121,7 @@ def test_a_connection_holds_at_most_a_requests_worth_of_slots(start):
 
 def test_commit_takes_only_the_slots_its_connection_reserved_for_those_blocks(start):
     d = start(shared=True)
-    a, b = SocketClient(d.doorbell.path, None, 10.0), SocketClient(d.doorbell.path, None, 10.0)
+    a, b = SocketClient(d.same_host_server.path, None, 10.0), SocketClient(d.same_host_server.path, None, 10.0)
     try:
         rows = _map(a)
         hs = hashes(3)
@@ -218,7 +218,7 @@ def test_blocks_larger_than_the_pools_slots_go_through_the_segment(start):
 
 def test_a_daemon_that_does_not_share_its_pool_refuses_the_pool_calls(start):
     d = start()
-    sock = SocketClient(d.doorbell.path, None, 10.0)
+    sock = SocketClient(d.same_host_server.path, None, 10.0)
     try:
         for op, request in ((Op.RESERVE, pb.BlocksRequest(ns=ns_to_pb(NS), hashes=hashes(1))),
                               (Op.COMMIT, pb.CommitRequest(ns=ns_to_pb(NS), spare=3))):

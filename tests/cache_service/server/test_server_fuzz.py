@@ -1,5 +1,5 @@
 """Fuzzing a live daemon: hypothesis-generated requests, mostly malformed,
-through gRPC, the same-host same-host socket and the data lane; every one is answered with a
+through gRPC, the same-host socket and the data path; every one is answered with a
 client-error status at worst, and the blocks stored before stay intact."""
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def fuzz_target(tmp_path_factory):
     aid = stub.Attach(pb.AttachRequest(name=seg.name, nonce=seg.nonce)).attachment
     client = GrpcClient(url(d, "stream"))
     put(client, hashes(6))
-    sock = SocketClient(d.doorbell.path, None, 10.0)
-    yield client, stub, aid, sock, d.servicer.lane_port
+    sock = SocketClient(d.same_host_server.path, None, 10.0)
+    yield client, stub, aid, sock, d.servicer.data_port
     sock.close()
     client.close()
     seg.close()
@@ -79,7 +79,7 @@ def _requests(aid: str):
                     offset=_mostly(st.integers(0, 2 * P), st.integers(0, 2**40)))
     return st.one_of(
         st.tuples(st.just("Lookup"), st.builds(pb.LookupRequest, ns=_maybe_ns, hashes=_hashes)),
-        st.tuples(st.sampled_from(["Load", "lane:Load"]), st.builds(pb.LoadRequest, ns=_maybe_ns, hashes=_hashes)),
+        st.tuples(st.sampled_from(["Load", "data_path:Load"]), st.builds(pb.LoadRequest, ns=_maybe_ns, hashes=_hashes)),
         st.tuples(st.just("Store"), st.builds(_store_stream, _maybe_ns, _hashes, _data, st.integers(0, 1))),
         st.tuples(st.sampled_from(["LoadShm", "StoreShm", "sock:LoadShm", "sock:StoreShm"]), shm),
         # the shared pool's calls (same-host socket only): slots from the pool, past it, negative, repeated
@@ -98,17 +98,17 @@ def _requests(aid: str):
     )
 
 
-def _send(stub, sock, lane_port: int, method: str, request):
-    if method == "lane:Load":  # the data lane, on a connection of its own (the objects after the reply are left)
-        lane = SocketClient(("127.0.0.1", lane_port), None, 10.0)
+def _send(stub, sock, data_port: int, method: str, request):
+    if method == "data_path:Load":  # the data path, on a connection of its own (the objects after the reply are left)
+        data_path = SocketClient(("127.0.0.1", data_port), None, 10.0)
         try:
-            return lane.ask(Op.LOAD, request.SerializeToString())
+            return data_path.ask(Op.LOAD, request.SerializeToString())
         finally:
-            lane.close()
+            data_path.close()
     if method == "sock:MapPool":  # answered with the pool's descriptor
         os.close(sock.call_fd(Op.MAP_POOL, request)[1])
         return None
-    if method.startswith("sock:"):  # the same call rung on the same-host same-host socket
+    if method.startswith("sock:"):  # the same call rung on the same-host socket
         name = method.split(":")[1]
         return sock.call(BY_METHOD[name], request)
     rpc = getattr(stub, method)
@@ -120,11 +120,11 @@ def _send(stub, sock, lane_port: int, method: str, request):
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_malformed_requests_never_crash_the_daemon_or_lose_blocks(fuzz_target, data):
-    client, stub, aid, sock, lane_port = fuzz_target
+    client, stub, aid, sock, data_port = fuzz_target
     method, request = data.draw(_requests(aid))
-    # any request gets an answer or a client-error status, never INTERNAL/UNKNOWN, on gRPC, the same-host socket or the lane
+    # any request gets an answer or a client-error status, never INTERNAL/UNKNOWN, on gRPC, the same-host socket or the data path
     try:
-        _send(stub, sock, lane_port, method, request)
+        _send(stub, sock, data_port, method, request)
     except grpc.RpcError as e:
         assert e.code() in ANSWERS, (method, e.code(), e.details())
     # and the blocks stored before are still there, intact

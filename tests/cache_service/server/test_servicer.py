@@ -85,11 +85,11 @@ def scrape(d: Daemon) -> dict:
 
 
 # ------------------------------------------------------------------ data paths
-# "stream" goes over the daemon's data lane (cache_service/server/data_path.py), "grpc" streams through gRPC (no lane),
+# "stream" goes over the daemon's data path (cache_service/server/data_path.py), "grpc" streams through gRPC (no data path),
 # "pool" stores straight into the daemon's shared host pool (cache_service/server/pool.py); "stream-pool" streams
-# into a daemon whose lane copies each object into a reserved pool slot as it checks it
+# into a daemon whose data path copies each object into a reserved pool slot as it checks it
 TRANSPORTS = {"shm": ("shm", {}), "pool": ("shm", {"shared": True}), "stream": ("stream", {}),
-              "stream-pool": ("stream", {"shared": True}), "grpc": ("stream", {"lane_port": None})}
+              "stream-pool": ("stream", {"shared": True}), "grpc": ("stream", {"data_port": None})}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -97,7 +97,7 @@ def test_round_trip_through_each_transport(start, transport):
     transport, settings = TRANSPORTS[transport]
     d = start(**settings)
     with GrpcClient(url(d, transport)) as c:
-        assert c.transport == transport and (c._lane is None) == ("lane_port" in settings)
+        assert c.transport == transport and (c._data_path is None) == ("data_port" in settings)
         hs = hashes(10)
         # store eight blocks; the daemon holds that prefix
         assert put(c, hs[:8]) == 8
@@ -115,7 +115,7 @@ def test_round_trip_through_each_transport(start, transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_batches_larger_than_a_message_or_segment(start, transport):
-    # tiny chunks, read groups, lane calls and segment: every batch boundary is crossed
+    # tiny chunks, read groups, data-path calls and segment: every batch boundary is crossed
     transport, settings = TRANSPORTS[transport]
     d = start(cpu_blocks=128, chunk_bytes=1000, load_batch_bytes=3 * P, **settings)
     with GrpcClient(url(d, transport), shm_bytes=5 * P) as c:
