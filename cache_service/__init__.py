@@ -20,9 +20,7 @@ follows a load through them.
 """
 from __future__ import annotations
 
-from typing import Any
-
-from tiers.registry import resolve
+from tiers.registry import lazy_exports
 
 _EXPORTS = {
     "Config": "cache_service.config:Config",
@@ -45,8 +43,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'cache_service' has no attribute {name!r}")
-    return resolve(_EXPORTS[name])
+__getattr__ = lazy_exports("cache_service", _EXPORTS)

@@ -18,9 +18,7 @@ docs/architecture.md follows a load from each of them to a tier.
 """
 from __future__ import annotations
 
-from typing import Any
-
-from tiers.registry import resolve
+from tiers.registry import lazy_exports
 
 _EXPORTS = {
     "connect": "connectors.client:connect",
@@ -32,8 +30,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'connectors' has no attribute {name!r}")
-    return resolve(_EXPORTS[name])
+__getattr__ = lazy_exports("connectors", _EXPORTS)

@@ -8,7 +8,7 @@ bottom layer, so every layer above may use it.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Callable
 
 
 def resolve(target: str) -> Any:
@@ -20,3 +20,13 @@ def resolve(target: str) -> Any:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
+    """A package's module-level ``__getattr__`` serving `exports` (name ->
+    ``"module:attr"``): its front door, importing each name on first use."""
+    def __getattr__(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return resolve(exports[name])
+    return __getattr__

@@ -50,7 +50,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         self.started = time.monotonic()
         self.in_flight = 0  # RPCs being handled (rpc.py counts them); a drain waits for these
         self.in_flight_lock = threading.Lock()
-        self.same_host_server = ""  # the same-host socket for the shared-memory calls, once the daemon opened one
+        self.socket_path = ""  # the same-host socket for the shared-memory calls, once the daemon opened one
         self.data_port = 0  # the streamed data path's TCP port, once the daemon opened one
 
     # ------------------------------------------------------------ helpers

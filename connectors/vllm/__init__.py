@@ -5,14 +5,7 @@ side, the page layouts and the lookups are plain Python, importable (and
 tested) without vLLM."""
 from __future__ import annotations
 
-from typing import Any
+from tiers.registry import lazy_exports
 
 __all__ = ["TierKVConnector"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "TierKVConnector":
-        from connectors.vllm.connector import TierKVConnector
-
-        return TierKVConnector
-    raise AttributeError(f"module 'connectors.vllm' has no attribute {name!r}")
+__getattr__ = lazy_exports("connectors.vllm", {"TierKVConnector": "connectors.vllm.connector:TierKVConnector"})

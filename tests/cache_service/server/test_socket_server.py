@@ -108,3 +108,17 @@ def test_a_broken_same_host_socket_costs_one_miss_then_grpc_carries_the_calls(st
         # the client attaches again, without a same-host socket now, and shared memory works through gRPC
         c._retry_at = 0.0
         assert intact(c, hs) and c.transport == "shm" and c._near.socket is None
+
+
+def test_no_same_host_socket_means_shared_memory_through_grpc(start, monkeypatch):
+    # the daemon cannot open its same-host socket (a full /run, say)
+    def refuse(prefix):
+        raise OSError("no room for a socket")
+    monkeypatch.setattr("cache_service.server.socket_server.private_unix_listener", refuse)
+    d = start()
+    assert d.same_host_server is None and d.servicer.socket_path == ""
+    with GrpcClient(url(d, "shm")) as c:
+        # Attach still answers, offering no socket; the shared-memory calls go through gRPC
+        assert c._near.socket is None
+        hs = hashes(4)
+        assert put(c, hs) == 4 and intact(c, hs)
