@@ -19,6 +19,7 @@ import re
 import torch
 from torch import Tensor
 
+from connectors.vllm.packing import copy_half, strided_halves
 from tiers.types import ConfigError
 
 
@@ -47,7 +48,9 @@ class CpuPageLayout:
     ISA: token-major, K transposed to ``[head_dim, page]`` ("vec", "vec16",
     NEON, ...) or AMX tiles. `index[kv, t, d]` is the flat position of
     element (kv, t, d) in that region; `connectors.vllm.connector` learns it from
-    vLLM's own cache writer. Known packings get strided fast paths.
+    vLLM's own cache writer. A packing whose halves are strided maps (every
+    one vLLM has: `packing.strided_halves`) is copied with strided views; any
+    other goes through a gather (`index_select`) and a staging buffer.
     """
 
     def __init__(self, index: Tensor) -> None:
@@ -57,26 +60,15 @@ class CpuPageLayout:
             raise ConfigError(f"CPU page layout index {tuple(index.shape)} is not a permutation of one region")
         self.page, self.dim, self.index = page, dim, flat
         self.inverse = torch.argsort(flat)
+        self.halves = strided_halves(flat.view(2, page, dim))
         ar = torch.arange(flat.numel()).view(2, page, dim)
         k_t = torch.stack([torch.arange(page * dim).view(dim, page).t(), ar[1]])
         self.kind = "tokens" if torch.equal(flat, ar.reshape(-1)) else \
-            "k_transposed" if torch.equal(flat, k_t.reshape(-1)) else "permuted"
+            "k_transposed" if torch.equal(flat, k_t.reshape(-1)) else "strided" if self.halves else "permuted"
 
     @classmethod
     def tokens(cls, page: int, dim: int) -> "CpuPageLayout":
         return cls(torch.arange(2 * page * dim).view(2, page, dim))
-
-    def views(self, regions: Tensor) -> tuple[Tensor, Tensor] | None:
-        """K and V of ``[n, H, 2 * page * D]`` regions as ``[n, H, page, D]``
-        views (writable), or None for a packing that is no strided view."""
-        n, heads, _ = regions.shape
-        half = self.page * self.dim
-        v = regions[..., half:].view(n, heads, self.page, self.dim)
-        if self.kind == "tokens":
-            return regions[..., :half].view(n, heads, self.page, self.dim), v
-        if self.kind == "k_transposed":
-            return regions[..., :half].view(n, heads, self.dim, self.page).transpose(-1, -2), v
-        return None
 
 
 class PagedKV:
@@ -132,7 +124,12 @@ class PagedKV:
         for i, layer in enumerate(self.layers):
             pages = layer.view(layer.shape[0], self.heads, -1)
             for a, b, first in runs:  # read each run of consecutive pages in place
-                kv = self._kv(pages[first: first + b - a])
+                regions = pages[first: first + b - a]
+                if self.cpu.halves is not None:
+                    for j in range(2):
+                        copy_half(regions, self.cpu.halves[j], o[a:b, :, i, j], into_pages=False)
+                    continue
+                kv = self._gathered(regions)
                 for j in range(2):  # [m, H, page, D] -> [m, k, tokens, H, D]
                     o[a:b, :, i, j].copy_(kv[j].reshape(b - a, self.heads, k, tokens, self.dim).permute(0, 2, 3, 1, 4))
         return out
@@ -157,16 +154,15 @@ class PagedKV:
 
     def _write_run(self, src: Tensor, dst: Tensor) -> None:
         """``[m, k, 2, tokens, H, D]`` blocks -> the ``[m, H, 2 * page * D]`` regions of m consecutive pages."""
-        m, k, _, tokens, heads, dim = src.shape
-        views = self.cpu.views(dst)
-        tok = None
-        if views is None:  # a packing with no strided view: stage token-major, then permute into place
-            tok = self._buf("tokens", (m, heads, 2, self.page, dim))
-            views = (tok[:, :, 0], tok[:, :, 1])
+        if self.cpu.halves is not None:
+            for j in range(2):
+                copy_half(dst, self.cpu.halves[j], src[:, :, j], into_pages=True)
+            return
+        m, k, _, tokens, heads, dim = src.shape  # a packing with no strided view: stage token-major, then permute
+        tok = self._buf("tokens", (m, heads, 2, self.page, dim))
         for j in range(2):  # [m, k, tokens, H, D] -> [m, H, page, D]
-            views[j].view(m, heads, k, tokens, dim).copy_(src[:, :, j].permute(0, 3, 1, 2, 4))
-        if tok is not None:
-            torch.index_select(tok.view(m, heads, -1), 2, self.cpu.inverse, out=dst)
+            tok[:, :, j].view(m, heads, k, tokens, dim).copy_(src[:, :, j].permute(0, 3, 1, 2, 4))
+        torch.index_select(tok.view(m, heads, -1), 2, self.cpu.inverse, out=dst)
 
     def reserve(self, tokens: int) -> None:
         """Allocate and touch the save buffer for `tokens` tokens now (at startup), not in a request."""
@@ -174,10 +170,8 @@ class PagedKV:
             n = -(-tokens // self.page)
             self._buf("blocks", (n * self.page, len(self.layers), 2, self.heads, self.dim)).zero_()
 
-    def _kv(self, regions: Tensor) -> tuple[Tensor, Tensor]:
-        views = self.cpu.views(regions)
-        if views is not None:
-            return views
+    def _gathered(self, regions: Tensor) -> tuple[Tensor, Tensor]:
+        """K and V of ``[n, H, 2 * page * D]`` regions of a packing with no strided view, as ``[n, H, page, D]``."""
         n = regions.shape[0]
         tok = self._buf("tokens", (n, self.heads, 2, self.page, self.dim))
         torch.index_select(regions, 2, self.cpu.index, out=tok.view(n, self.heads, -1))

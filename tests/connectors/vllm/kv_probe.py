@@ -29,6 +29,8 @@ class ProbeTierKV(TierKVConnector):
         self.isa = _get_attn_isa(cfg.model_config.dtype, self.page_tokens, self.ns.head_dim, "auto")
         if self.isa in K_TRANSPOSED_ISAS:
             self._index = cpu_index("k_transposed", self.page_tokens, self.ns.head_dim)
+        elif self.isa == "amx":
+            self._index = cpu_index("amx", self.page_tokens, self.ns.head_dim)
 
     def _record(self, kind: str, transfers) -> None:
         page = self.page_tokens

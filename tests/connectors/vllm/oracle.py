@@ -7,8 +7,10 @@ our adapters:
 - CPU attention: a layer ``(pages, H, page, 2 * D)``; each (page, head) is a
   region of ``2 * page * D`` elements, K half first. vLLM's "vec" family of
   ISAs (vec, vec16, NEON, VSX, ...) writes K column-major (``[D, page]``) and
-  V row-major (``[page, D]``); `cpu_index` also makes token-major and
-  arbitrary permuted packings for the unit tests;
+  V row-major (``[page, D]``); "amx" packs K in groups of 16 tokens with
+  head dims in 32-bit pairs and V in groups of 16 head dims with tokens in
+  pairs (see `cpu_index`); `cpu_index` also makes token-major and arbitrary
+  permuted packings for the unit tests;
 - flash-attention: a layer ``[2, pages, page, H, D]``: ``[0]`` K, ``[1]`` V.
 """
 from __future__ import annotations
@@ -28,6 +30,14 @@ def cpu_index(kind: str, page: int, dim: int, seed: int = 0) -> torch.Tensor:
         k, v = t * dim + d, page * dim + t * dim + d
     elif kind == "k_transposed":
         k, v = d * page + t, page * dim + t * dim + d
+    elif kind == "amx":
+        # vLLM's csrc/cpu/cpu_attn_amx.hpp, AttentionImpl<ISA::AMX>::reshape_and_cache (bf16, page % 32 == 0).
+        # K: tokens in groups of 16 (64-byte tile rows / 4); in a group, 32-bit word j * 16 + r holds head
+        # dims (2j, 2j + 1) of token r. V: head dims in groups of 16 (amx_b_tile_n_size), each group a
+        # [page / 2, 16, 2] tile (token pair, dim, token parity), after the K half.
+        assert page % 16 == 0 and dim % 16 == 0, (page, dim)
+        k = (t // 16) * 16 * dim + (d // 2) * 32 + (t % 16) * 2 + d % 2
+        v = page * dim + (d // 16) * 16 * page + (t // 2) * 32 + (d % 16) * 2 + t % 2
     elif kind == "permuted":
         perm = torch.randperm(2 * page * dim, generator=torch.Generator().manual_seed(seed))
         return perm.view(2, page, dim)
