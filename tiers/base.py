@@ -184,6 +184,16 @@ class SlotTier(Tier):
     def unreserve(self, slots: Iterable[int]) -> None:
         """Hand reserved slots back unwritten."""
 
+    @abstractmethod
+    def hold(self, hashes: Sequence[BlockHash]) -> list[tuple[int, torch.Tensor] | None]:
+        """(slot, view of the object) per held hash (None: not held), each slot
+        kept from reuse, even once its block is evicted or deleted, until
+        `let_go`: a reader of the view (a write to a lower tier) needs no copy."""
+
+    @abstractmethod
+    def let_go(self, held: Sequence[tuple[int, torch.Tensor] | None]) -> None:
+        """End `hold`s: a slot whose block left meanwhile becomes free."""
+
     @property
     @abstractmethod
     def rows(self) -> torch.Tensor:

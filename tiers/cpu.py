@@ -281,9 +281,15 @@ class SlotPool(SlotTier):
             self._release(found)
         return [entry is not None for entry in found]
 
-    def _acquire(self, hashes: Sequence[BlockHash]) -> list[tuple[int, torch.Tensor] | None]:
+    def hold(self, hashes: Sequence[BlockHash]) -> list[tuple[int, torch.Tensor] | None]:
+        return self._acquire(hashes, count=False)
+
+    def let_go(self, held: Sequence[tuple[int, torch.Tensor] | None]) -> None:
+        self._release(held)
+
+    def _acquire(self, hashes: Sequence[BlockHash], count: bool = True) -> list[tuple[int, torch.Tensor] | None]:
         """(slot, view of the object) per hash, the slot pinned against reuse
-        until `_release`; counts hits and misses."""
+        until `_release`; counts hits and misses (reads, not holds)."""
         found: list[tuple[int, torch.Tensor] | None] = []
         with self._lock:
             self._check_open()
@@ -294,11 +300,12 @@ class SlotPool(SlotTier):
                     continue
                 self._readers[entry[0]] = self._readers.get(entry[0], 0) + 1
                 found.append((entry[0], self._slot(*entry)))
-        hits = [view.numel() for _, view in filter(None, found)]
-        self.stats.add(hits=len(hits), misses=len(found) - len(hits), bytes_out=sum(hits))
+        if count:
+            hits = [view.numel() for _, view in filter(None, found)]
+            self.stats.add(hits=len(hits), misses=len(found) - len(hits), bytes_out=sum(hits))
         return found
 
-    def _release(self, found: list[tuple[int, torch.Tensor] | None]) -> None:
+    def _release(self, found: Sequence[tuple[int, torch.Tensor] | None]) -> None:
         with self._lock:
             for entry in found:
                 if entry is None:

@@ -9,7 +9,7 @@ until they land, so a block stays visible while it moves down.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -167,11 +167,29 @@ class Placement:
             with st.meta:
                 entry = st.inflight.setdefault(h, [obj, 0])
                 entry[1] += 1
+                if h in st.holds:
+                    st.holds[h][0] += 1
             if not writer.submit((h, obj), wait):
                 self._release([h])
                 st.count(i, dropped=1)
 
+    def keep(self, releases: dict[BlockHash, Callable[[], None]]) -> None:
+        """Writes of these blocks are about to be queued with objects that are
+        views of another tier's slots (no copy): run `releases[h]` (end the
+        slot's hold) once every write of h queued from now on is done, and
+        once the caller's own count goes (`settle`)."""
+        with self.state.meta:
+            for h, release in releases.items():
+                entry = self.state.holds.setdefault(h, [0, []])
+                entry[0] += 1
+                entry[1].append(release)
+
+    def settle(self, hashes: Iterable[BlockHash]) -> None:
+        """Drop the count `keep` gave the caller (its writes are queued)."""
+        self._unhold(hashes)
+
     def _release(self, hashes: Iterable[BlockHash]) -> None:
+        hashes = list(hashes)
         inflight = self.state.inflight
         with self.state.meta:
             for h in hashes:
@@ -180,6 +198,19 @@ class Placement:
                     entry[1] -= 1
                     if entry[1] <= 0:
                         del inflight[h]
+        self._unhold(hashes)
+
+    def _unhold(self, hashes: Iterable[BlockHash]) -> None:
+        done = []
+        with self.state.meta:
+            for h in hashes:
+                entry = self.state.holds.get(h)
+                if entry is not None:
+                    entry[0] -= 1
+                    if entry[0] <= 0:
+                        done += self.state.holds.pop(h)[1]
+        for release in done:
+            release()
 
     def persist(self, i: int, batch: Sequence[Item]) -> None:
         """Writer-thread body for tier i: put a batch, demoting victims below

@@ -20,6 +20,8 @@ miss, never a wrong answer.
 """
 from __future__ import annotations
 
+from functools import partial
+
 from typing import Sequence
 
 import torch
@@ -132,10 +134,6 @@ class SharedSlots:
                 raise diagnose(pool.rows[slots[bad], :size], sent_ns, sent[bad], payload=False)
             if (sent_ns, list(sent)) != (ns, list(keys)):  # a tenant's keys: the payloads stay, headers change
                 rehead(pool.rows, ns, keys, claims, at=slots)
-            # copies for write-through tiers, taken while the slots are still only ours (once published,
-            # a delete could free one and another put reuse it before the copy)
-            through = self.state.through()
-            copies = {k: pool.rows[s, :size].clone() for k, s in zip(keys, slots)} if through else {}
         except BaseException:
             pool.unreserve(slots)
             raise
@@ -144,10 +142,23 @@ class SharedSlots:
             new = [k for k, ok in zip(keys, done) if ok]
             for k in new:
                 self.state.policies[0].insert(k)
+            through = self.state.through()
+            held = pool.hold(new) if through else []  # under the lock: nothing evicted them yet
         self.state.publish(0, new)
-        for i in through:
-            self.placement.submit(i, [(k, copies[k]) for k in new if not self.placement.below_has(i, k)])
+        self._write_through(pool, through, new, held)
         return len(new)
+
+    def _write_through(self, pool: SlotTier, through: list[int], keys: list[BlockHash], held: list) -> None:
+        """Queue the new blocks for the write-through tiers as views of their
+        slots, each slot held from reuse until its writes are done (no copy
+        on the committing client's time; `Placement.keep`)."""
+        items = [(k, entry[1]) for k, entry in zip(keys, held) if entry is not None]
+        self.placement.keep({k: partial(pool.let_go, [entry]) for k, entry in zip(keys, held) if entry is not None})
+        try:
+            for i in through:
+                self.placement.submit(i, [it for it in items if not self.placement.below_has(i, it[0])])
+        finally:
+            self.placement.settle(k for k, _ in items)
 
     def spare_limit(self, ns: Namespace) -> int:
         """How many spare slots (`reserve_spare`) one client may hold: 1/16 of the shared top tier."""

@@ -45,6 +45,7 @@ class StoreState:
     pins: dict[BlockHash, float] = field(default_factory=dict)  # hash -> monotonic deadline
     below_hits: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict)  # lower-tier hits not yet promoted
     deferred: list[OrderedDict[BlockHash, None]] = field(init=False)  # per tier: blocks refused while it was down
+    holds: dict[BlockHash, list] = field(default_factory=dict)  # h -> [writes pending, releases]: Placement.keep
     counters: list[dict[str, int]] = field(init=False)
     # writer 0 promotes hits into the top tier; writer i > 0 fills tier i (set by the store once built)
     writers: list["TierWriter"] = field(default_factory=list)

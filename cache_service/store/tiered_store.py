@@ -239,8 +239,8 @@ class TieredStore:
             return None
 
     def _load_inflight(self, ns: Namespace, hashes: Sequence[BlockHash], todo: list[int], out: list) -> None:
-        with self._state.meta:
-            found = [(j, self._state.inflight[hashes[j]][0]) for j in todo if hashes[j] in self._state.inflight]
+        with self._state.meta:  # copied while the entry stands: its object may be a held slot's view
+            found = [(j, self._state.inflight[hashes[j]][0].clone()) for j in todo if hashes[j] in self._state.inflight]
         for j, obj in found:
             out[j] = decode(obj, ns, hashes[j], verify_payload=False)
 

@@ -54,6 +54,7 @@ def test_a_commit_of_slots_never_written_is_refused_and_hands_them_back(tmp_path
         # the slots still hold another block's object: that header is not theirs
         first = hashes(2, start=400)
         _direct(store, first)
+        assert store.flush(60)  # written through: their slots are no longer held
         store.delete(first)
         hs = hashes(2)
         slots = store.reserve(NS, hs)
@@ -75,3 +76,22 @@ def test_only_a_shared_top_tier_takes_direct_puts(tmp_path):
         assert store.shared_pool() is None
         with pytest.raises(AssertionError):
             store.reserve(NS, hashes(1))
+
+
+def test_write_through_reads_committed_slots_in_place_and_holds_them_until_written(tmp_path):
+    import threading
+
+    with make_store(tmp_path, cpu_blocks=2, shared=True) as store:
+        disk, gate = store.tiers[1], threading.Event()
+        real_put = disk.put_many
+        disk.put_many = lambda hs, objs: (gate.wait(30), real_put(hs, objs))[1]
+        # two blocks committed: their write-through to disk waits at the gate, reading the pool's slots
+        first = hashes(2, start=600)
+        _direct(store, first)
+        # two more need room: the first two are evicted, but their slots are still being read, so not reused
+        assert _direct(store, hashes(2, start=700)) == [NO_ROOM, NO_ROOM]
+        # the disk gets the first two byte for byte; then their slots are free again
+        gate.set()
+        assert store.flush(60) and disk.contains_many(first) == [True, True]
+        assert all_same(store.load(NS, first), first)
+        assert min(_direct(store, hashes(2, start=800))) >= 0
