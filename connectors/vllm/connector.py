@@ -59,6 +59,7 @@ import atexit
 import logging
 import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -193,9 +194,18 @@ def learn_cpu_page_layout(vllm_config: "VllmConfig", dtype: torch.dtype, page: i
     pos = torch.arange(2 * page * head_dim)
     index = torch.full((2, page, head_dim), -1, dtype=torch.int64)
     index[pos // (page * head_dim), seen[0], seen[1]] = pos
-    layout = CpuPageLayout(index)  # raises unless every element landed exactly once
+    layout = CpuPageLayout(index, partial(_write_tokens, isa))  # raises unless every element landed exactly once
     log.info("tierkv: vLLM CPU attention ISA %s packs pages as %s", isa, layout.kind)
     return layout
+
+
+def _write_tokens(isa: str, layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """vLLM's CPU cache writer: token-major K and V into a layer's pages at token `slots`."""
+    from vllm import _custom_ops as ops
+
+    pages, heads, page, _ = layer.shape
+    k_cache, v_cache = layer.view(pages, heads, 2 * page, -1).chunk(2, dim=2)  # the backend's own view
+    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa)
 
 
 def _tp_rank() -> int:

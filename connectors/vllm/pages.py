@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import re
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -53,7 +54,13 @@ class CpuPageLayout:
     other goes through a gather (`index_select`) and a staging buffer.
     """
 
-    def __init__(self, index: Tensor) -> None:
+    def __init__(self, index: Tensor, write_tokens: Callable[[Tensor, Tensor, Tensor, Tensor], None] | None = None
+                 ) -> None:
+        """`write_tokens(layer, key, value, slots)`, if given, is vLLM's own
+        writer of token-major ``[T, H, D]`` K and V into a layer's pages at
+        token `slots` (page * page_tokens + offset): loads use it, it packs
+        faster than strided copies can (AMX's V interleaves single values)."""
+        self.write_tokens = write_tokens
         two, page, dim = index.shape
         flat = index.reshape(-1).to(torch.int64)
         if two != 2 or not torch.equal(torch.sort(flat).values, torch.arange(flat.numel())):
@@ -145,12 +152,28 @@ class PagedKV:
         assert len(blocks) == n * k, (len(blocks), n, k)
         batch = as_batch(blocks)  # blocks laid out evenly in one buffer: read in place, no staging copy
         stage = None if batch is not None else self._buf("layer", (n * k, 2, tokens, heads, dim))
+        if self.cpu.write_tokens is not None:
+            self._write_natively(blocks, batch, stage, page_ids)
+            return
         runs = _runs(page_ids)
         for i, layer in enumerate(self.layers):
             src = batch[:, i] if batch is not None else torch.stack([b[i] for b in blocks], out=stage)
             src, pages = src.view(n, k, 2, tokens, heads, dim), layer.view(layer.shape[0], heads, -1)
             for a, b, first in runs:
                 self._write_run(src[a:b], pages[first: first + b - a])
+
+    def _write_natively(self, blocks: list[Tensor], batch: Tensor | None, stage: Tensor | None,
+                        page_ids: list[int]) -> None:
+        """`write_blocks` through vLLM's own cache writer (`CpuPageLayout.write_tokens`):
+        each layer's K and V staged token-major ``[T, H, D]``, then packed by vLLM."""
+        m, tokens = len(blocks), blocks[0].shape[2]
+        slots = (torch.tensor(page_ids, dtype=torch.int64).view(-1, 1) * self.page + torch.arange(self.page)).view(-1)
+        kv = self._buf("kv_tokens", (2, m, tokens, self.heads, self.dim))
+        for i, layer in enumerate(self.layers):
+            src = batch[:, i] if batch is not None else torch.stack([b[i] for b in blocks], out=stage)
+            for j in range(2):  # [m, tokens, H, D] per half: runs of H * D elements
+                kv[j].copy_(src[:, j])
+            self.cpu.write_tokens(layer, kv[0].view(-1, self.heads, self.dim), kv[1].view(-1, self.heads, self.dim), slots)
 
     def _write_run(self, src: Tensor, dst: Tensor) -> None:
         """``[m, k, 2, tokens, H, D]`` blocks -> the ``[m, H, 2 * page * D]`` regions of m consecutive pages."""

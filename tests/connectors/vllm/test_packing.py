@@ -79,3 +79,30 @@ def test_paged_kv_round_trips_amx_pages_through_the_strided_path():
     # store blocks written into pages 5 and 2, then read back
     kv.write_blocks(list(blocks), [5, 2])
     assert same(kv.read_blocks([5, 2], 16), blocks)
+
+
+def _writer_by_index(index: torch.Tensor):
+    """A page writer as vLLM's is called (token-major K and V, token slots), placing by the oracle's index."""
+    def write(layer, key, value, slots):
+        pages, heads, page, _ = layer.shape
+        regions = layer.view(pages, heads, -1)
+        for kv, src in enumerate((key, value)):
+            for t, slot in enumerate(slots.tolist()):
+                p, r = divmod(slot, page)
+                regions[p, :, index[kv, r]] = src[t]
+    return write
+
+
+@pytest.mark.parametrize("kind", ["amx", "k_transposed"])
+def test_loads_through_the_engines_own_page_writer_stage_tokens_and_slots_right(kind):
+    # the same blocks written by strided copies and by a vLLM-style writer land identically
+    page, heads, dim, layers = 32, 3, 16, 2
+    index = cpu_index(kind, page, dim)
+    blocks = list(torch.randn(3 * page // 16, layers, 2, 16, heads, dim).to(torch.bfloat16))
+    pages = []
+    for layout in (CpuPageLayout(index), CpuPageLayout(index, _writer_by_index(index))):
+        caches = {f"model.layers.{i}.attn": torch.zeros(6, heads, page, 2 * dim, dtype=torch.bfloat16)
+                  for i in range(layers)}
+        PagedKV(caches, heads, dim, page, layout).write_blocks(blocks, [4, 1, 2])
+        pages.append(torch.stack(list(caches.values())))
+    assert same(pages[0], pages[1]) and pages[0].any()
