@@ -170,6 +170,22 @@ class PoolReply(_message.Message):
     num_slots: int
     def __init__(self, slot_bytes: _Optional[int] = ..., slot_stride: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
 
+class HoldReply(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LetGoRequest(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LetGoReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ReserveReply(_message.Message):
     __slots__ = ("slots",)
     SLOTS_FIELD_NUMBER: _ClassVar[int]

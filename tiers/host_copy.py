@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -58,7 +60,12 @@ def copy_hashed(dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray], skip: in
     own XXH3); the loop below is the reference, and takes a copy larger
     than FUSE_BYTES in pieces."""
     if copy_hash_many is not None and _XXH3:
-        return copy_hash_many(dsts, srcs, skip, _XXH3)
+        half = _halfway(srcs)
+        if half is None:
+            return copy_hash_many(dsts, srcs, skip, _XXH3)
+        # two cores, two halves: the C call releases the GIL, so the second half runs beside the first
+        second = _helper().submit(copy_hash_many, dsts[half:], srcs[half:], skip, _XXH3)
+        return copy_hash_many(dsts[:half], srcs[:half], skip, _XXH3) + second.result()
     sums: list[int] = []
     for d, s in zip(dsts, srcs):
         n = len(s)
@@ -74,6 +81,29 @@ def copy_hashed(dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray], skip: in
                 state.update(d[max(off, skip):end])
         sums.append(state.intdigest())
     return sums
+
+
+PARALLEL_BYTES = 8 << 20  # a batch this large is copied by two threads where two cores are ours
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _halfway(srcs: Sequence[np.ndarray]) -> int | None:
+    """Where to cut a batch in two halves of about equal bytes, or None to copy it on one thread."""
+    sizes = [len(s) for s in srcs]
+    total = sum(sizes)
+    if _CORES < 2 or len(sizes) < 2 or total < PARALLEL_BYTES:
+        return None
+    done = 0
+    for i, n in enumerate(sizes):
+        done += n
+        if 2 * done >= total:
+            return max(1, min(i + 1, len(sizes) - 1))
+    return None
+
+
+@lru_cache(maxsize=1)
+def _helper() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="tierkv-copy")
 
 
 def _xxh3_address() -> int:

@@ -53,6 +53,8 @@ class Op(IntEnum):
     RESERVE = 6
     COMMIT = 7
     LOOKUP = 8  # the vLLM scheduler asks the worker that owns an embedded store
+    HOLD = 9  # pool slots of held blocks, kept from reuse until LET_GO: read in place
+    LET_GO = 10
 
 
 class Spec(NamedTuple):
@@ -71,5 +73,7 @@ SPECS: dict[Op, Spec] = {
     Op.RESERVE: Spec("Reserve", pb.BlocksRequest, pb.ReserveReply),
     Op.COMMIT: Spec("Commit", pb.CommitRequest, pb.CommitReply),
     Op.LOOKUP: Spec("Lookup", LookupBody, LookupBody),
+    Op.HOLD: Spec("Hold", pb.BlocksRequest, pb.HoldReply),
+    Op.LET_GO: Spec("LetGo", pb.LetGoRequest, pb.LetGoReply),
 }
 BY_METHOD: dict[str, Op] = {spec.method: op for op, spec in SPECS.items()}

@@ -24,6 +24,12 @@ one copy, hashed while in cache:
   once instead of waiting for a Reserve (after idling, a same-host socket round trip
   costs 0.4 ms here where it costs 0.05 ms back to back).
 
+Loads read the pool in place: HOLD (BlocksRequest) -> HoldReply gives the
+slot of each block the pool holds, kept from reuse (even once evicted)
+until LET_GO or the connection ends; the client verifies each object where
+it lies (header and payload checksum) and writes the payloads on (into an
+engine's pages): no copy into its segment first.
+
 Why this is safe enough to be on by default: one tenant only (another
 tenant's blocks are never mapped), the pool is verified on every load (a
 scribbled payload is a miss, not a wrong answer), and a slot is written only
@@ -156,4 +162,76 @@ def commit(servicer, conn: Connection, body: bytes, tenant: str | None):
     return pb.CommitReply(stored=stored, spare=spare), []
 
 
-HANDLERS = {Op.MAP_POOL: map_pool, Op.RESERVE: reserve, Op.COMMIT: commit}
+class Holds:
+    """The pool slots one same-host socket connection holds for reading in place."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.slots: dict[int, list] = {}  # slot -> its hold entries (a slot may be held more than once)
+        self._lock = threading.Lock()
+
+    def count(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self.slots.values())
+
+    def add(self, held: list) -> None:
+        with self._lock:
+            for entry in filter(None, held):
+                self.slots.setdefault(entry[0], []).append(entry)
+
+    def take(self, slots: list[int]) -> list:
+        """One hold per slot, removed; INVALID_ARGUMENT (taking none) for a slot not held here."""
+        with self._lock:
+            need: dict[int, int] = {}
+            for s in slots:
+                need[s] = need.get(s, 0) + 1
+            wrong = next((s for s, n in need.items() if len(self.slots.get(s, ())) < n), None)
+            if wrong is None:
+                return [self._pop(s) for s in slots]
+        raise invalid(f"LetGo: slot {wrong} is not held by this connection")
+
+    def _pop(self, slot: int):
+        entries = self.slots[slot]
+        entry = entries.pop()
+        if not entries:
+            del self.slots[slot]
+        return entry
+
+    def release(self) -> None:
+        with self._lock:
+            held, self.slots = [e for v in self.slots.values() for e in v], {}
+        self.store.let_go(held)
+
+
+def _holds(servicer, conn: Connection) -> Holds:
+    holds = conn.kept.get("holds")
+    if holds is None:
+        holds = conn.kept["holds"] = Holds(servicer.store)
+        conn.on_close.append(holds.release)
+    return holds
+
+
+def hold(servicer, conn: Connection, body: bytes, tenant: str | None):
+    """HOLD: the slot of each block the pool holds (-1 not there), kept from reuse until LET_GO."""
+    request = parse(pb.BlocksRequest, body, "Hold")
+    _pool(servicer)
+    ns, keys = servicer._blocks(request, tenant)
+    holds = _holds(servicer, conn)
+    if (holds.count() + len(keys)) * ns.payload_bytes > servicer.s.max_request_bytes:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"Hold: {holds.count()} slots held here; {len(keys)} more would pass the daemon's "
+                           f"{servicer.s.max_request_bytes}-byte limit per request (let go first)")
+    held = servicer.store.hold(keys)
+    holds.add(held)
+    servicer.metrics.moved(tenant, "load", ns.payload_bytes * sum(e is not None for e in held))
+    return pb.HoldReply(slots=[e[0] if e is not None else -1 for e in held]), []
+
+
+def let_go(servicer, conn: Connection, body: bytes, tenant: str | None):
+    """LET_GO: slots this connection held go back."""
+    request = parse(pb.LetGoRequest, body, "LetGo")
+    servicer.store.let_go(_holds(servicer, conn).take(list(request.slots)))
+    return pb.LetGoReply(), []
+
+
+HANDLERS = {Op.MAP_POOL: map_pool, Op.RESERVE: reserve, Op.COMMIT: commit, Op.HOLD: hold, Op.LET_GO: let_go}

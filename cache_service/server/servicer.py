@@ -115,7 +115,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         S = object_size(ns)
         for part in split(len(keys), per_bytes(min(self.s.load_batch_bytes, 4 * self.s.chunk_bytes), S)):
             buf = torch.empty(len(part) * S, dtype=torch.uint8)  # a few MiB: the allocator recycles it
-            hits = self.store.load_into(ns, [keys[i] for i in part], buf.view(len(part), S).unbind(0))
+            hits = self.store.load_into(ns, [keys[i] for i in part], buf.view(len(part), S))
             objs = memoryview(buf.numpy())
             pieces = [object_pieces(objs[j * S: (j + 1) * S], ns, keys[i], sent_ns, sent[i]) if hit else None
                       for j, (i, hit) in enumerate(zip(part, hits))]

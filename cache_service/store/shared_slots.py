@@ -168,6 +168,19 @@ class SharedSlots:
         except CapacityError:
             return 0
 
+    def hold(self, keys: Sequence[BlockHash]) -> list:
+        """(slot, object view) per key the shared pool holds (None: not
+        there), kept from reuse until `let_go`: a same-host client reads them
+        in place. Counted as hits (and their recency refreshed) like a load."""
+        held = self.shared_pool().hold(keys)
+        hits = [k for k, entry in zip(keys, held) if entry is not None]
+        self.state.touch(0, hits)
+        self.state.count(0, hits=len(hits), misses=len(keys) - len(hits))
+        return held
+
+    def let_go(self, held: Sequence) -> None:
+        self.shared_pool().let_go(held)
+
     def unreserve(self, slots: Sequence[int]) -> None:
         """Hand back reserved slots that will not be committed."""
         if slots:

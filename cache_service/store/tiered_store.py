@@ -313,10 +313,14 @@ class TieredStore:
         """Hand back reserved slots that will not be committed."""
         self._slots.unreserve(slots)
 
-    @property
-    def _spares_out(self) -> int:
-        """Spare slots out now (what tests/cache_service/server/test_pool.py checks)."""
-        return self._state.spares_out
+    def hold(self, keys: Sequence[BlockHash]) -> list:
+        """The shared top tier's (slot, view) per held key, kept from reuse until `let_go` (`SharedSlots.hold`)."""
+        return self._slots.hold(keys)
+
+    def let_go(self, held: Sequence) -> None:
+        """End `hold`s."""
+        self._slots.let_go(held)
+
 
     # ------------------------------------------------------------------ admin
     def delete(self, hashes: Sequence[BlockHash]) -> int:

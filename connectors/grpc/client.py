@@ -127,7 +127,8 @@ class GrpcClient:
             if transport == "shm":
                 raise TierUnavailableError(f"daemon at {self.target} runs on another host: no shared memory")
             return "stream"
-        near = SameHost(self.call, self._store_stream, self._set_transport, self.token, self.timeout_s, shm_bytes)
+        near = SameHost(self.call, self._store_stream, self._set_transport, self.token, self.timeout_s, shm_bytes,
+                        pool_loads=not self.hello.tenant)  # a tenant's blocks are headed with its keys, not ours
         try:
             near.attach()
             self._near = near

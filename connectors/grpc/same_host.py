@@ -1,8 +1,9 @@
 """The same-host paths of a `GrpcClient`: its shared-memory segment, the
 daemon's same-host socket and, when the daemon shares it, the daemon's host pool.
 
-- Loads: the daemon copies each hit's object into this client's segment
-  and verifies it there (LoadShm; cache_service/protocol/segment.py).
+- Loads: blocks in the daemon's pool are read where they lie (HOLD, then
+  verified in place; server/pool.py); the daemon copies the others into
+  this client's segment and verifies them there (LoadShm).
 - Stores: into the daemon's pool when it offers it (server/pool.py):
   Reserve slots, encode each block's object straight into its slot (the
   payload copied and hashed in one pass), Commit; in chunks, so the daemon
@@ -34,10 +35,12 @@ from cache_service.protocol.batches import split
 from cache_service.protocol.ops import SPECS, Op
 from cache_service.protocol.socket_client import SocketCallError, SocketClient
 from cache_service.blocks.keys import Namespace
-from cache_service.blocks.objects import HEADER_SIZE, encode_flats, encode_rows, object_size, payload_bytes
+from cache_service.blocks.objects import (HEADER_SIZE, checksums, encode_flats, encode_rows, object_size,
+                                          payload_bytes, verify)
 from cache_service.protocol.segment import Segment
 from cache_service.protocol.messages import ns_to_pb, torch_dtype
 from proto import tierkv_pb2 as pb
+from tiers.arena import can_count_users, storage_users
 from tiers.types import BlockHash, TierKVError
 
 NO_ROOM = -2  # a Reserve answer: store this block another way
@@ -82,7 +85,7 @@ class SameHost:
     and `on_transport("shm" | "stream")` (told when shared memory comes or goes)."""
 
     def __init__(self, call: Callable, store_stream: Callable, on_transport: Callable[[str], None],
-                 token: str | None, timeout_s: float, nbytes: int) -> None:
+                 token: str | None, timeout_s: float, nbytes: int, pool_loads: bool = False) -> None:
         self.grpc_call, self.store_stream, self.on_transport = call, store_stream, on_transport
         self.token, self.timeout_s, self.nbytes = token, timeout_s, nbytes
         self.seg: Segment | None = None
@@ -91,6 +94,8 @@ class SameHost:
         self.pool: _Pool | None = None
         self.pool_refused = False  # the daemon does not share its pool (asked once per socket connection)
         self.spare: list[int] = []  # pool slots leased to this socket connection for no block yet
+        self.pool_loads = pool_loads  # read held blocks in the pool (objects headed as this client names them)
+        self._held: list[tuple[torch.Tensor, list[int]]] = []  # (handle of the loaded views, pool slots they hold)
         self.retry_at = 0.0
         self.lock = threading.Lock()
 
@@ -108,6 +113,7 @@ class SameHost:
     def close_socket(self) -> None:
         """Hang up the same-host socket; the pool mapping goes with it (the daemon hands back its slots)."""
         sock, self.socket, self.pool, self.pool_refused, self.spare = self.socket, None, None, False, []
+        self._held = []  # the daemon lets go of a connection's holds when it ends
         if sock is not None:
             sock.close()
 
@@ -161,27 +167,75 @@ class SameHost:
 
     # ------------------------------------------------------------ data paths
     def load(self, ns: Namespace, hashes: Sequence[BlockHash], lend: bool) -> list[torch.Tensor | None] | None:
-        """Block i's object lands at i * object_size in a stretch of the segment
-        (the daemon verified it there). With `lend` the payloads handed out
-        are views of that stretch, which stays reserved while any of them is
-        alive (zero copies here); otherwise each is copied out once. None:
-        no segment, or no room in it (the caller streams)."""
-        P, S = ns.payload_bytes, object_size(ns)
+        """Verified payloads per hash (None: a miss). With `lend` (views are
+        fine) the blocks the daemon's pool holds are read in place there
+        (`_load_pool`); the others land in the segment. None: no segment, or
+        no room in it (the caller streams)."""
         with self.lock:
             if self.seg is None:  # lost meanwhile (see drop)
                 return None
-            got = (self.seg.stretch(len(hashes) * S, lend=True) if lend else None)
-            lent = got is not None
-            got = got or self.seg.stretch(len(hashes) * S)
-            if got is None:  # the caller still holds earlier blocks all over the segment
+            self._let_go()
+            pool = self._pool(ns) if lend and self.pool_loads and can_count_users() else None
+            out = self._load_pool(pool, ns, hashes) if pool is not None else [None] * len(hashes)
+            todo = [j for j, p in enumerate(out) if p is None]
+            rest = self._load_segment(ns, [hashes[j] for j in todo], lend) if todo else []
+            if rest is None and len(todo) == len(hashes):
                 return None
-            offset, area = got
-            req = pb.ShmRequest(ns=ns_pb(ns), hashes=list(hashes), attachment=self.attachment, offset=offset)
-            sizes = list(self.call(Op.LOAD_SHM, req).sizes)
-            _check_sizes(sizes, len(hashes), P)
-            payloads = _payload_views(area, ns, len(hashes))
-            if not lent:
-                payloads = [p.clone() if s else p for p, s in zip(payloads, sizes)]
+            for j, p in zip(todo, rest or []):
+                out[j] = p
+            return out
+
+    def _load_pool(self, pool: _Pool, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        """The blocks the daemon's pool holds, read where they lie: HOLD, then
+        each object verified in place (header and payload checksum; a bad one
+        is a miss here, which the segment path reads again and the daemon
+        quarantines). The payloads are views that keep their slots held;
+        `_let_go` hands back those nobody uses any more."""
+        try:
+            reply = self.call(Op.HOLD, pb.BlocksRequest(ns=ns_pb(ns), hashes=list(hashes)))
+        except SocketCallError as e:
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # too many still held: the segment it is
+                raise
+            return [None] * len(hashes)
+        num = pool.rows.shape[0]
+        slots = _checked_slots("Hold", list(reply.slots), len(hashes), -1, num)
+        hit = [j for j, s in enumerate(slots) if s >= 0]
+        idx = torch.tensor([slots[j] for j in hit], dtype=torch.int64)
+        claims = verify(pool.rows[:, :HEADER_SIZE].index_select(0, idx), ns, [hashes[j] for j in hit], payload=False)
+        handle = torch.frombuffer(pool.mm, dtype=torch.uint8)  # its storage's use count tells when views are gone
+        rows = handle.view(num, pool.stride)[:, HEADER_SIZE:object_size(ns)].view(torch_dtype(ns))
+        payloads = rows.view(num, *ns.block_shape)
+        views = [payloads[slots[j]] for j in hit]
+        out: list[torch.Tensor | None] = [None] * len(hashes)
+        for j, view, claim, csum in zip(hit, views, claims, checksums(views)):
+            out[j] = view if claim is not None and claim == csum else None
+        self._held.append((handle, [slots[j] for j in hit]))
+        return out
+
+    def _let_go(self) -> None:
+        """Hand back the pool slots of earlier loads whose payloads nobody holds any more."""
+        done = [slots for handle, slots in self._held if storage_users(handle) <= 1]
+        self._held = [(handle, slots) for handle, slots in self._held if storage_users(handle) > 1]
+        if any(done) and self.socket is not None:
+            self.call(Op.LET_GO, pb.LetGoRequest(slots=[s for group in done for s in group]))
+
+    def _load_segment(self, ns: Namespace, hashes: Sequence[BlockHash], lend: bool) -> list[torch.Tensor | None] | None:
+        """LoadShm: object i lands at i * object_size in a stretch of the segment, verified there by the
+        daemon. With `lend` the payloads are views, the stretch reserved while one lives; else copies.
+        None: no room in the segment."""
+        P, S = ns.payload_bytes, object_size(ns)
+        got = (self.seg.stretch(len(hashes) * S, lend=True) if lend else None)
+        lent = got is not None
+        got = got or self.seg.stretch(len(hashes) * S)
+        if got is None:  # the caller still holds earlier blocks all over the segment
+            return None
+        offset, area = got
+        req = pb.ShmRequest(ns=ns_pb(ns), hashes=list(hashes), attachment=self.attachment, offset=offset)
+        sizes = list(self.call(Op.LOAD_SHM, req).sizes)
+        _check_sizes(sizes, len(hashes), P)
+        payloads = _payload_views(area, ns, len(hashes))
+        if not lent:
+            payloads = [p.clone() if s else p for p, s in zip(payloads, sizes)]
         return [p if s else None for p, s in zip(payloads, sizes)]
 
     def store(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int | None:
@@ -303,14 +357,16 @@ class _Replies:
         if name == "Commit":
             reply = self.socket.answer(Op.COMMIT)
             self.stored += reply.stored
-            self.spare += self._checked(name, list(reply.spare), len(reply.spare), 0)
+            self.spare += _checked_slots(name, list(reply.spare), len(reply.spare), 0, self.num_slots)
             return
-        self.reserved.append(self._checked(name, list(self.socket.answer(Op.RESERVE).slots), n, NO_ROOM))
+        self.reserved.append(_checked_slots(name, list(self.socket.answer(Op.RESERVE).slots), n, NO_ROOM, self.num_slots))
 
-    def _checked(self, name: str, slots: list[int], n: int, lowest: int) -> list[int]:
-        if len(slots) != n or any(not lowest <= s < self.num_slots for s in slots):
-            raise ProtocolError(f"daemon answered {name} of {n} blocks with slots {slots[:8]}...")
-        return slots
+
+
+def _checked_slots(name: str, slots: list[int], n: int, lowest: int, num_slots: int) -> list[int]:
+    if len(slots) != n or any(not lowest <= s < num_slots for s in slots):
+        raise ProtocolError(f"daemon answered {name} of {n} blocks with slots {slots[:8]}...")
+    return slots
 
 
 def _map(fd: int, reply: pb.PoolReply) -> _Pool:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import re
+from functools import reduce
+from math import gcd
 from typing import Callable
 
 import torch
@@ -150,29 +152,33 @@ class PagedKV:
             return
         n, k, heads, dim = len(page_ids), self.page // tokens, self.heads, self.dim
         assert len(blocks) == n * k, (len(blocks), n, k)
-        batch = as_batch(blocks)  # blocks laid out evenly in one buffer: read in place, no staging copy
-        stage = None if batch is not None else self._buf("layer", (n * k, 2, tokens, heads, dim))
+        rows = as_rows(blocks)  # blocks in one buffer (a load's segment, the daemon's pool): read in place
+        if rows is None:
+            rows = torch.stack(blocks, out=self._buf("blocks_in", (len(blocks), *blocks[0].shape))), None
+        base, idx = rows
         if self.cpu.write_tokens is not None:
-            self._write_natively(blocks, batch, stage, page_ids)
+            self._write_natively(base, idx, page_ids)
             return
+        stage = self._buf("layer", (n * k, 2, tokens, heads, dim)) if idx is not None else None
         runs = _runs(page_ids)
         for i, layer in enumerate(self.layers):
-            src = batch[:, i] if batch is not None else torch.stack([b[i] for b in blocks], out=stage)
+            src = base[:, i] if idx is None else torch.index_select(base[:, i], 0, idx, out=stage)
             src, pages = src.view(n, k, 2, tokens, heads, dim), layer.view(layer.shape[0], heads, -1)
             for a, b, first in runs:
                 self._write_run(src[a:b], pages[first: first + b - a])
 
-    def _write_natively(self, blocks: list[Tensor], batch: Tensor | None, stage: Tensor | None,
-                        page_ids: list[int]) -> None:
+    def _write_natively(self, base: Tensor, idx: Tensor | None, page_ids: list[int]) -> None:
         """`write_blocks` through vLLM's own cache writer (`CpuPageLayout.write_tokens`):
-        each layer's K and V staged token-major ``[T, H, D]``, then packed by vLLM."""
-        m, tokens = len(blocks), blocks[0].shape[2]
+        each layer's K and V gathered token-major ``[T, H, D]`` (blocks `idx` of `base`), then packed by vLLM."""
+        m, tokens = (len(idx) if idx is not None else base.shape[0]), base.shape[3]
         slots = (torch.tensor(page_ids, dtype=torch.int64).view(-1, 1) * self.page + torch.arange(self.page)).view(-1)
         kv = self._buf("kv_tokens", (2, m, tokens, self.heads, self.dim))
         for i, layer in enumerate(self.layers):
-            src = batch[:, i] if batch is not None else torch.stack([b[i] for b in blocks], out=stage)
             for j in range(2):  # [m, tokens, H, D] per half: runs of H * D elements
-                kv[j].copy_(src[:, j])
+                if idx is None:
+                    kv[j].copy_(base[:, i, j])
+                else:
+                    torch.index_select(base[:, i, j], 0, idx, out=kv[j])
             self.cpu.write_tokens(layer, kv[0].view(-1, self.heads, self.dim), kv[1].view(-1, self.heads, self.dim), slots)
 
     def _write_run(self, src: Tensor, dst: Tensor) -> None:
@@ -223,20 +229,23 @@ class PagedKV:
         return buf[:numel].view(shape)
 
 
-def as_batch(blocks: list[Tensor]) -> Tensor | None:
-    """``torch.stack(blocks)`` as a view, when the blocks are same-shaped
-    contiguous views spaced evenly in one buffer (a daemon's shared-memory
-    load hands them out so); None otherwise."""
+def as_rows(blocks: list[Tensor]) -> tuple[Tensor, Tensor | None] | None:
+    """(a ``[rows, *shape]`` strided view over the blocks' one buffer, each
+    block's row; None for rows 0..n-1 in order), when the blocks are
+    same-shaped contiguous views into one storage whose offsets differ by
+    multiples of one stride (a shared pool's slots; evenly spaced objects);
+    None otherwise."""
     first = blocks[0]
-    step, item = (blocks[1].data_ptr() - first.data_ptr() if len(blocks) > 1 else 0), first.element_size()
-    if step < 0 or step % item or not first.is_contiguous():
-        return None
     base = first.untyped_storage().data_ptr()
-    for i, b in enumerate(blocks):
-        if (b.data_ptr() != first.data_ptr() + i * step or b.shape != first.shape or b.dtype != first.dtype
-                or not b.is_contiguous() or b.untyped_storage().data_ptr() != base):
-            return None
-    return first.as_strided((len(blocks), *first.shape), (step // item, *first.stride()))
+    if any(b.shape != first.shape or b.dtype != first.dtype or not b.is_contiguous()
+           or b.untyped_storage().data_ptr() != base for b in blocks):
+        return None
+    offsets = [b.storage_offset() for b in blocks]
+    low = min(offsets)
+    step = reduce(gcd, (o - low for o in offsets), 0) or first.numel()
+    rows = [(o - low) // step for o in offsets]
+    view = first.as_strided((max(rows) + 1, *first.shape), (step, *first.stride()), low)
+    return view, (None if rows == list(range(len(rows))) else torch.tensor(rows, dtype=torch.int64))
 
 
 def _runs(page_ids: list[int]) -> list[tuple[int, int, int]]:

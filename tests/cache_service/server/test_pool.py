@@ -21,7 +21,7 @@ from cache_service.protocol.messages import ns_to_pb
 from connectors.grpc.client import GrpcClient
 from cache_service.protocol.batches import split
 from proto import tierkv_pb2 as pb
-from tests.cache_service.store.store_helpers import NS, hashes, payload_for
+from tests.cache_service.store.store_helpers import NS, hashes, payload_for, same
 from tests.cache_service.server.test_servicer import TOKENS, intact, put, start, url  # noqa: F401 (fixture)
 
 Code = grpc.StatusCode
@@ -236,7 +236,7 @@ def test_spare_slots_are_bounded_per_client_and_over_all_clients(start):
         for i, c in enumerate(clients):
             assert put(c, hashes(2, start=100 * i)) == 2
         assert [len(c._near.spare) for c in clients] == [4, 4, 0]
-        assert d.store._spares_out == 8
+        assert d.store._state.spares_out == 8
     finally:
         for c in clients:
             c.close()
@@ -259,3 +259,44 @@ def test_tierkv_serve_shares_its_cpu_pool_only_when_it_is_the_top_tier():
         cfg = load_config(env={}, overrides={"tiers": {**tiers, "cpu": {"capacity": 1 << 20} | tiers.get("cpu", {})}})
         share_cpu_pool(cfg)
         assert cfg.tiers.cpu.shared == want, tiers
+
+
+def test_loads_read_the_pool_in_place_and_hand_slots_back_once_dropped(start):
+    d = start(shared=True)
+    with GrpcClient(url(d, "shm")) as c:
+        hs = hashes(8)
+        assert put(c, hs) == 8
+        # a load: the daemon holds the blocks' slots and the payloads are views of its pool
+        got = c.load(NS, hs)
+        assert all(same(g, payload_for(h)) for g, h in zip(got, hs))
+        assert all(g.untyped_storage().data_ptr() == c._near.pool.rows.untyped_storage().data_ptr() for g in got)
+        # the blocks go away in the daemon, but their slots stay held: not free, bytes unchanged
+        free = _free_slots(d)
+        d.store.delete(hs)
+        assert _free_slots(d) == free and all(same(g, payload_for(h)) for g, h in zip(got, hs))
+        # once the payloads are dropped, the next call hands the slots back
+        del got
+        assert c.load(NS, hashes(1, start=99)) == [None]
+        assert _free_slots(d) == free + 8
+
+
+def test_a_scribbled_pool_slot_is_a_miss_never_a_wrong_block(start):
+    d = start(shared=True)
+    with GrpcClient(url(d, "shm")) as c:
+        hs = hashes(4)
+        assert put(c, hs) == 4 and d.store.flush(60)  # on disk too (write-through)
+        # someone with the pool mapped flips a payload bit of the third block
+        sock = SocketClient(d.same_host_server.path, None, 10.0)
+        slots = list(sock.call(Op.HOLD, pb.BlocksRequest(ns=ns_to_pb(NS), hashes=hs)).slots)
+        sock.call(Op.LET_GO, pb.LetGoRequest(slots=slots))
+        c._near.pool.rows[slots[2], HEADER_SIZE + 7] ^= 1
+        # the client's check refuses it in place; the segment path asks again, and the daemon quarantines
+        # the pool's copy and serves the sound one its disk tier has: every block right
+        got = c.load(NS, hs)
+        assert all(same(g, payload_for(h)) for g, h in zip(got, hs))
+        assert d.store.stats()["cpu"]["corrupt"] == 1
+        # a slot not held by this connection cannot be let go
+        with pytest.raises(SocketCallError) as e:
+            sock.call(Op.LET_GO, pb.LetGoRequest(slots=[slots[0]]))
+        assert e.value.code() == Code.INVALID_ARGUMENT
+        sock.close()

@@ -13,7 +13,7 @@ from cache_service.blocks.keys import Namespace, prefix_hashes
 from connectors.client import connect
 from connectors.vllm.lookup import LookupServer, RemoteLookup, lookup_address
 from connectors.vllm.scheduler import SchedulerSide, TierKVConfig, Transfer
-from connectors.vllm.pages import CpuPageLayout, as_batch
+from connectors.vllm.pages import CpuPageLayout, as_rows
 from connectors.vllm.worker import WorkerSide
 from tests.connectors.vllm.oracle import blocks_as_tokens, cpu_index, read_tokens, same, tokens
 from tiers.types import ConfigError, TierUnavailableError
@@ -238,8 +238,12 @@ def test_blocks_in_one_shared_buffer_load_the_same_bits(client, packing):
     index = cpu_index(packing, 128, NS.head_dim, seed=3)
     # the evenly spaced views are read in place as one batch; a list of separate tensors is not
     spaced = _SharedBuffer(client).load(NS, prefix_hashes(NS, x))
-    assert torch.equal(as_batch(spaced), torch.stack(spaced))
-    assert as_batch(client.load(NS, prefix_hashes(NS, x))) is None
+    view, order = as_rows(spaced)
+    assert order is None and torch.equal(view, torch.stack(spaced))
+    assert as_rows(client.load(NS, prefix_hashes(NS, x))) is None
+    # views in one buffer in any order (a pool's slots) are rows of one view, gathered by index
+    view, order = as_rows(spaced[::-1][:5])
+    assert torch.equal(view.index_select(0, order), torch.stack(spaced[::-1][:5]))
     # loading from either gives the same pages, bit for bit
     caches = []
     for source in (client, _SharedBuffer(client)):
