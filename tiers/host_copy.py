@@ -7,7 +7,7 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -60,12 +60,7 @@ def copy_hashed(dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray], skip: in
     own XXH3); the loop below is the reference, and takes a copy larger
     than FUSE_BYTES in pieces."""
     if copy_hash_many is not None and _XXH3:
-        half = _halfway(srcs)
-        if half is None:
-            return copy_hash_many(dsts, srcs, skip, _XXH3)
-        # two cores, two halves: the C call releases the GIL, so the second half runs beside the first
-        second = _helper().submit(copy_hash_many, dsts[half:], srcs[half:], skip, _XXH3)
-        return copy_hash_many(dsts[:half], srcs[:half], skip, _XXH3) + second.result()
+        return in_halves(lambda a, b: copy_hash_many(dsts[a:b], srcs[a:b], skip, _XXH3), [len(s) for s in srcs])
     sums: list[int] = []
     for d, s in zip(dsts, srcs):
         n = len(s)
@@ -87,9 +82,20 @@ PARALLEL_BYTES = 8 << 20  # a batch this large is copied by two threads where tw
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _halfway(srcs: Sequence[np.ndarray]) -> int | None:
-    """Where to cut a batch in two halves of about equal bytes, or None to copy it on one thread."""
-    sizes = [len(s) for s in srcs]
+def in_halves(work: Callable[[int, int], list], sizes: Sequence[int]) -> list:
+    """`work(0, n)` (a list per item, for n items of `sizes` bytes), run as
+    two halves of about equal bytes on two threads where two cores are ours
+    and the batch is large: for work that releases the GIL (our C copies,
+    xxhash), the second half runs beside the first."""
+    half = _halfway(sizes)
+    if half is None:
+        return work(0, len(sizes))
+    second = _helper().submit(work, half, len(sizes))
+    return work(0, half) + second.result()
+
+
+def _halfway(sizes: Sequence[int]) -> int | None:
+    """Where to cut a batch in two halves of about equal bytes, or None to keep it on one thread."""
     total = sum(sizes)
     if _CORES < 2 or len(sizes) < 2 or total < PARALLEL_BYTES:
         return None
