@@ -19,26 +19,19 @@ object buffer and verifies it there; ``store_objects`` copies objects
 already encoded (checked in full when untrusted) once into the top tier.
 
 Backpressure: with ``queue_full = "wait"`` (default) a full writer queue
-makes the caller wait, so memory stays bounded and no lower copy is lost;
-with ``"skip"`` the lower copy is dropped and counted (``dropped``) and the
-caller never waits on slow storage.
+makes the caller wait (bounded memory, no lower copy lost); with ``"skip"``
+the lower copy is dropped and counted (``dropped``).
 
-The store is three composed parts over one declared `StoreState`
-(`cache_service/store/state.py`: tiers, policies, modes, locks, the
-in-flight map, pins, counters, writers): placement (puts that evict,
-victims sent down, writers, promotion) in `cache_service/store/placement.py`;
-objects another process writes into a shared top tier in
-`cache_service/store/shared_slots.py`; lookups, loads and stores here.
-Locks: one per tier (its policy and membership), taken top to bottom;
-objects handed to writers stay in an in-flight map, visible to ``lookup``
-and ``load`` while they move down.
+Three composed parts over one `StoreState` (state.py): placement (puts that
+evict, victims sent down, writers, promotion: placement.py), objects another
+process writes into a shared top tier (shared_slots.py), and lookups, loads
+and stores here. Locks: one per tier, taken top to bottom; objects handed to
+writers stay in an in-flight map, visible to ``lookup`` and ``load``.
 
-Directory (optional, ``cache_service/directory/redis_directory.py``): blocks landing in a tier other
-nodes can see (this node's disk, S3) are published, evicted or deleted ones
-unpublished, both queued off the caller's path. A lookup asks it only about
-the blocks its own tiers miss, in one batch; a block the directory places in
-S3 counts as held, and ``load`` then reads it from S3 (the S3 tier asks S3
-for any block) and promotes it like any hit.
+Directory (optional, cache_service/directory/): blocks landing where other
+nodes can see them (this node's disk, S3) are published, gone ones
+unpublished, off the caller's path. A lookup asks it only about what its own
+tiers miss; a block it places in S3 counts as held and ``load`` reads it there.
 """
 from __future__ import annotations
 
@@ -177,17 +170,29 @@ class TieredStore:
         return set(self._verified_in_place(i, ns, hashes, outs, found, rows, sums))
 
     def _load_from(self, first: int, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
-        """`load` over tiers first.. (the ones above have been asked already)."""
+        """`load` over tiers first.. (the ones above have been asked already).
+        The writes in flight are asked after the top tier and before the
+        lower ones: a write that lands meanwhile is then found where it landed
+        (asked after them, it could leave the map between the two reads)."""
         out: list[torch.Tensor | None] = [None] * len(hashes)
-        remaining = list(range(len(hashes)))
         promote: list[tuple[int, BlockHash, torch.Tensor]] = []
-        for i, tier in enumerate(self.tiers):
+        remaining = list(range(len(hashes)))
+        if first == 0:
+            remaining = self._read_tiers(0, 1, ns, hashes, remaining, out, promote)
+        self._load_inflight(ns, hashes, remaining, out)
+        remaining = [j for j in remaining if out[j] is None]
+        self._read_tiers(max(first, 1), len(self.tiers), ns, hashes, remaining, out, promote)
+        self._placement.promote(promote)
+        return out
+
+    def _read_tiers(self, first: int, end: int, ns: Namespace, hashes: Sequence[BlockHash], remaining: list[int],
+                    out: list, promote: list) -> list[int]:
+        """Read `remaining` (indexes into hashes) from tiers first..end-1, top down, into `out`; the ones missed."""
+        for i in range(first, end):
             if not remaining:
                 break
-            if i < first:
-                continue
-            tier.note_namespace(ns.fingerprint())  # lets S3 find blocks other nodes wrote
-            objs = tier.get_many([hashes[j] for j in remaining])
+            self.tiers[i].note_namespace(ns.fingerprint())  # lets S3 find blocks other nodes wrote
+            objs = self.tiers[i].get_many([hashes[j] for j in remaining])
             missed = []
             for j, obj in zip(remaining, objs):
                 if obj is not None and self._accept(i, ns, hashes[j], obj, out, j):
@@ -197,9 +202,7 @@ class TieredStore:
                     missed.append(j)
             self._settle(i, hashes, remaining, missed)
             remaining = missed
-        self._load_inflight(ns, hashes, remaining, out)
-        self._placement.promote(promote)
-        return out
+        return remaining
 
     def _settle(self, i: int, hashes: Sequence[BlockHash], asked: list[int], missed: list[int]) -> None:
         """Recency and hit/miss counters of tier i after one batched read."""

@@ -118,3 +118,43 @@ def test_live_writes_take_turns_with_an_outage_backlog(tmp_path):
     # and the backlog is all written in the end
     assert _until(lambda: lower.contains_many(backlog) == [True] * 640)
     store.close()
+
+
+class LateDisk(DiskTier):
+    """A disk tier whose writes wait at a gate, and whose first read of a missing
+    block opens the gate and lets the write land before answering "miss" (the
+    write completing between the tier's read and the in-flight map's)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.gate, self.landed = threading.Event(), threading.Event()
+
+    def put_many(self, hashes, objs):
+        self.gate.wait(20)
+        try:
+            return super().put_many(hashes, objs)
+        finally:
+            self.landed.set()
+
+    def get_many(self, hashes):
+        got = super().get_many(hashes)
+        if None in got and not self.gate.is_set():
+            self.gate.set()
+            self.landed.wait(20)
+            time.sleep(0.2)  # the writer leaves the in-flight map right after the put
+        return got
+
+
+def test_a_write_that_lands_during_a_load_is_found(tmp_path):
+    lower = LateDisk(tmp_path / "lower", 1024 * OBJ, fsync=False)
+    store = TieredStore([CpuTier(OBJ, OBJ), lower], [make_policy("lru", 1), make_policy("lru", 1024)],
+                        ["through", "through"])
+    a, b = hashes(2)
+    # A is stored, its write-through waits at the gate; B pushes A out of the one-block top tier
+    store.store(NS, [a], [payload_for(a)])
+    store.store(NS, [b], [payload_for(b)])
+    assert store.tiers[0].contains_many([a]) == [False]
+    # a load of A: whether it finds A still in flight or on the disk it just landed on, it finds it
+    assert all_same(store.load(NS, [a]), [a])
+    lower.gate.set()
+    store.close()
