@@ -45,7 +45,7 @@ class Connection:
         self.busy = False  # answering a call (close() lets it finish)
         self.fds: list[int] = []  # file descriptors to pass with the next reply (Unix sockets)
         self.on_close: list = []  # callbacks once the connection ends (what it holds is handed back)
-        self.kept: dict[str, object] = {}  # what handlers keep for the connection's life (the pool's "lease")
+        self.kept: dict[str, object] = {}  # what handlers keep for the connection's life (the pool's Lease, Holds)
 
     def send_part(self, reply, pieces) -> None:
         """An OK frame and raw pieces ahead of a bulk op's last reply (which

@@ -91,12 +91,13 @@ class Lease:
         self.store.spares_done(sum(k is None for k in slots.values()))
 
 
-def _lease(servicer, conn: Connection) -> Lease:
-    lease = conn.kept.get("lease")
-    if lease is None:
-        lease = conn.kept["lease"] = Lease(servicer.store)
-        conn.on_close.append(lease.release)
-    return lease
+def _kept(servicer, conn: Connection, kind: type):
+    """The connection's Lease (or Holds), made on first use, released when the connection ends."""
+    kept = conn.kept.get(kind.__name__)
+    if kept is None:
+        kept = conn.kept[kind.__name__] = kind(servicer.store)
+        conn.on_close.append(kept.release)
+    return kept
 
 
 def _pool(servicer):
@@ -127,7 +128,7 @@ def reserve(servicer, conn: Connection, body: bytes, tenant: str | None):
     request = parse(pb.BlocksRequest, body, "Reserve")
     _pool(servicer)
     ns, keys = servicer._blocks(request, tenant)
-    lease = _lease(servicer, conn)
+    lease = _kept(servicer, conn, Lease)
     held = len(lease.slots)  # a client may hold a request's worth of slots at a time, not the whole pool
     if (held + len(keys)) * ns.payload_bytes > servicer.s.max_request_bytes:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -146,7 +147,7 @@ def commit(servicer, conn: Connection, body: bytes, tenant: str | None):
     slots = list(request.slots)
     if len(slots) != len(keys):
         raise invalid(f"Commit: {len(slots)} slots for {len(keys)} hashes")
-    lease = _lease(servicer, conn)
+    lease = _kept(servicer, conn, Lease)
     lease.take(keys, slots)
     sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, servicer.s.max_blocks)
     try:
@@ -203,20 +204,12 @@ class Holds:
         self.store.let_go(held)
 
 
-def _holds(servicer, conn: Connection) -> Holds:
-    holds = conn.kept.get("holds")
-    if holds is None:
-        holds = conn.kept["holds"] = Holds(servicer.store)
-        conn.on_close.append(holds.release)
-    return holds
-
-
 def hold(servicer, conn: Connection, body: bytes, tenant: str | None):
     """HOLD: the slot of each block the pool holds (-1 not there), kept from reuse until LET_GO."""
     request = parse(pb.BlocksRequest, body, "Hold")
     _pool(servicer)
     ns, keys = servicer._blocks(request, tenant)
-    holds = _holds(servicer, conn)
+    holds = _kept(servicer, conn, Holds)
     if (holds.count() + len(keys)) * ns.payload_bytes > servicer.s.max_request_bytes:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"Hold: {holds.count()} slots held here; {len(keys)} more would pass the daemon's "
@@ -230,7 +223,7 @@ def hold(servicer, conn: Connection, body: bytes, tenant: str | None):
 def let_go(servicer, conn: Connection, body: bytes, tenant: str | None):
     """LET_GO: slots this connection held go back."""
     request = parse(pb.LetGoRequest, body, "LetGo")
-    servicer.store.let_go(_holds(servicer, conn).take(list(request.slots)))
+    servicer.store.let_go(_kept(servicer, conn, Holds).take(list(request.slots)))
     return pb.LetGoReply(), []
 
 
