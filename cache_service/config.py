@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from tiers.cache_root import default_cache_dir  # noqa: F401 (also imported from here)
 from tiers.types import ConfigError
 
 TIER_ORDER = ("hbm", "cpu", "disk", "s3")
@@ -65,14 +66,6 @@ def parse_size(value: int | str, key: str = "size") -> int:
     if n <= 0:
         raise ConfigError(f"{key}: size must be positive, got {value!r}")
     return n
-
-
-def default_cache_dir() -> Path:
-    """``$TIERKV_CACHE_DIR`` or ``$XDG_CACHE_HOME/tierkv`` or ``~/.cache/tierkv``."""
-    if os.environ.get("TIERKV_CACHE_DIR"):
-        return Path(os.environ["TIERKV_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tierkv"
 
 
 def _check_duration(key: str, value: float) -> None:

@@ -63,9 +63,9 @@ def local_config(url: str, base: Config | None = None) -> Config:
 def connect(url: str, config: Config | None = None) -> CacheClient | None:
     """A client for `url`, or None for ``none``. Raises TierKVError for a
     malformed URL and TierUnavailableError when the service cannot be used."""
-    scheme = urlsplit(url).scheme if "://" in url else url
-    if scheme in ("none", ""):
+    if url in ("none", ""):
         return None
+    scheme = urlsplit(url).scheme if "://" in url else None
     if scheme == "local":
         try:
             return open_store(local_config(url, config))
@@ -74,5 +74,17 @@ def connect(url: str, config: Config | None = None) -> CacheClient | None:
     if scheme == "grpc":
         from connectors.grpc.client import GrpcClient  # lazy: grpc only when a daemon is used
 
+        _check_host_port(url)
         return GrpcClient(url)
-    raise TierKVError(f"cache URL {url!r}: scheme must be local://, grpc:// or none")
+    raise TierKVError(f"cache URL {url!r}: expected local:///path/to/dir, local://, grpc://host:port or none")
+
+
+def _check_host_port(url: str) -> None:
+    """TierKVError unless a grpc:// URL names a host and a port 1-65535."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or out of range
+        port = None
+    if not parts.hostname or port is None or port == 0:
+        raise TierKVError(f"cache URL {url!r}: expected grpc://host:port with a port 1-65535")

