@@ -74,13 +74,30 @@ class Connection:
 
 
 def private_unix_listener(prefix: str = "tierkv-socket-") -> tuple[socket.socket, Path]:
-    """A Unix socket `sock` (mode 0600) in a new private directory (mode 0700):
-    only this user can connect. (listener, directory); the caller removes the directory."""
-    where = Path(tempfile.mkdtemp(prefix=prefix))
+    """A Unix socket `sock` (mode 0600) in a new private directory (mode 0700,
+    named after this process): only this user can connect. (listener,
+    directory); the caller removes the directory. Directories that processes
+    killed before they could remove theirs left behind are removed first."""
+    _remove_stale(prefix)
+    where = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(where / "sock"))
     os.chmod(where / "sock", 0o600)
     return listener, where
+
+
+def _remove_stale(prefix: str) -> None:
+    """Remove this user's `prefix<pid>-*` directories whose process is gone."""
+    for where in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
+        pid = where.name[len(prefix):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or where.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its process is gone: nobody can be listening there
+            shutil.rmtree(where, ignore_errors=True)
+        except OSError:  # alive (another user's: EPERM), or gone meanwhile
+            continue
 
 
 def abstract_listener(name: str) -> socket.socket:

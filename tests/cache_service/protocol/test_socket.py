@@ -1,6 +1,9 @@
 """The framed-socket server and client every socket of tierkv uses (the
 daemon's same-host socket and TCP data path, the vLLM lookups)."""
+import os
+import shutil
 import socket
+import tempfile
 import threading
 
 import grpc
@@ -98,3 +101,23 @@ def test_connections_past_the_limit_are_closed(served):
         SocketClient(address, "sesame", 5.0)
     a.close()
     b.close()
+
+
+def test_socket_directories_of_dead_processes_are_removed(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # a process that ended without removing its socket directory, and one still alive
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale, live = tmp_path / f"tierkv-socket-{dead.stdout.strip()}-x1", tmp_path / f"tierkv-socket-{os.getpid()}-x2"
+    for d in (stale, live):
+        d.mkdir()
+        (d / "sock").touch()
+    # the next listener removes the dead one's and leaves the live one's
+    listener, where = private_unix_listener()
+    try:
+        assert not stale.exists() and live.exists() and where.name.startswith(f"tierkv-socket-{os.getpid()}-")
+    finally:
+        listener.close()
+        shutil.rmtree(where)
