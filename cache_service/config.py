@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from tiers.cache_root import default_cache_dir  # noqa: F401 (also imported from here)
+from tiers.cache_root import default_cache_dir
 from tiers.types import ConfigError
 
 TIER_ORDER = ("hbm", "cpu", "disk", "s3")

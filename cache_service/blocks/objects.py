@@ -230,12 +230,13 @@ def verify(objs: Objects, ns: Namespace, hashes: Sequence[BlockHash],
     """Per object: its payload checksum when its header is exactly block
     hashes[i]'s under `ns` and its payload hashes to that checksum, else
     None. `sums`: the payloads' checksums, if the caller has them already
-    (hashed as it copied them). Without `payload` only the headers are
-    checked (the checksum they claim; rows may then be headers alone,
-    ``[n, HEADER_SIZE]``)."""
+    (hashed as it copied them, or where they lie). Without `payload` only
+    the headers are checked (the checksum they claim). Rows may be headers
+    alone, ``[n, HEADER_SIZE]``, when no payload is to be hashed here."""
     assert len(objs) == len(hashes)
     if isinstance(objs, torch.Tensor):
-        assert objs.dim() == 2 and objs.shape[1] in ((HEADER_SIZE, object_size(ns)) if not payload else
+        heads_only = not payload or sums is not None
+        assert objs.dim() == 2 and objs.shape[1] in ((HEADER_SIZE, object_size(ns)) if heads_only else
                                                      (object_size(ns),))
         claims = _claims(objs[:, :HEADER_SIZE], ns, hashes)
         payloads = list(objs[:, HEADER_SIZE:].unbind(0)) if payload and sums is None else None

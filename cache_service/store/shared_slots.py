@@ -21,7 +21,6 @@ miss, never a wrong answer.
 from __future__ import annotations
 
 from functools import partial
-
 from typing import Sequence
 
 import torch

@@ -200,17 +200,15 @@ class SameHost:
         num = pool.rows.shape[0]
         slots = _checked_slots("Hold", list(reply.slots), len(hashes), -1, num)
         hit = [j for j, s in enumerate(slots) if s >= 0]
-        idx = torch.tensor([slots[j] for j in hit], dtype=torch.int64)
-        claims = verify(pool.rows[:, :HEADER_SIZE].index_select(0, idx), ns, [hashes[j] for j in hit], payload=False)
+        held = [slots[j] for j in hit]
         handle = torch.frombuffer(pool.mm, dtype=torch.uint8)  # its storage's use count tells when views are gone
         rows = handle.view(num, pool.stride)[:, HEADER_SIZE:object_size(ns)].view(torch_dtype(ns))
-        payloads = rows.view(num, *ns.block_shape)
-        views = [payloads[slots[j]] for j in hit]
-        out: list[torch.Tensor | None] = [None] * len(hashes)
-        for j, view, claim, csum in zip(hit, views, claims, checksums(views)):
-            out[j] = view if claim is not None and claim == csum else None
-        self._held.append((handle, [slots[j] for j in hit]))
-        return out
+        views = [rows.view(num, *ns.block_shape)[s] for s in held]
+        heads = pool.rows[:, :HEADER_SIZE].index_select(0, torch.tensor(held, dtype=torch.int64))  # one pass
+        sums = verify(heads, ns, [hashes[j] for j in hit], checksums(views))  # payloads hashed where they lie
+        good = {j: view for j, view, csum in zip(hit, views, sums) if csum is not None}
+        self._held.append((handle, held))
+        return [good.get(j) for j in range(len(hashes))]
 
     def _let_go(self) -> None:
         """Hand back the pool slots of earlier loads whose payloads nobody holds any more."""
@@ -359,7 +357,8 @@ class _Replies:
             self.stored += reply.stored
             self.spare += _checked_slots(name, list(reply.spare), len(reply.spare), 0, self.num_slots)
             return
-        self.reserved.append(_checked_slots(name, list(self.socket.answer(Op.RESERVE).slots), n, NO_ROOM, self.num_slots))
+        slots = list(self.socket.answer(Op.RESERVE).slots)
+        self.reserved.append(_checked_slots(name, slots, n, NO_ROOM, self.num_slots))
 
 
 

@@ -127,26 +127,31 @@ def _suffix_products(sizes: Sequence[int]) -> list[int]:
     return out
 
 
-def _split(axes: Sequence[Axis], sizes: Sequence[int]) -> list[Axis]:
-    """`axes` cut into digits of `sizes` (a refinement of their sizes, outer first)."""
-    out, todo = [], list(sizes)
-    for size, stride in axes:
-        parts = []
+def _groups(sizes: Sequence[int], digits: Sequence[int]) -> list[list[int]]:
+    """`digits` (a refinement of `sizes`, outer first) grouped by the size each cuts
+    (a size of 1 gets no digit)."""
+    todo, out = list(digits), []
+    for size in sizes:
+        parts: list[int] = []
         while prod(parts) < size:
             parts.append(todo.pop(0))
-        assert prod(parts) == size, (axes, sizes)
-        for j, p in enumerate(parts):
-            out.append((p, stride * prod(parts[j + 1:])))
+        assert prod(parts) == size, (sizes, digits)
+        out.append(parts)
+    return out
+
+
+def _split(axes: Sequence[Axis], sizes: Sequence[int]) -> list[Axis]:
+    """`axes` cut into digits of `sizes` (a refinement of their sizes, outer first)."""
+    out = []
+    for (_, stride), parts in zip(axes, _groups([n for n, _ in axes], sizes)):
+        out += [(p, stride * prod(parts[j + 1:])) for j, p in enumerate(parts)]
     return out
 
 
 def _unflatten(x: Tensor, first: int, sizes: Sequence[int], digits: Sequence[int]) -> Tensor:
     """x with its dims first.. (of `sizes`) cut into `digits` (a refinement, outer first)."""
-    todo, d = list(digits), first
-    for size in sizes:
-        parts = []
-        while prod(parts) < size:
-            parts.append(todo.pop(0))
+    d = first
+    for parts in _groups(sizes, digits):
         x = x.unflatten(d, parts) if len(parts) > 1 else x if parts else x.squeeze(d)  # a size-1 dim has no digit
         d += len(parts)
     return x

@@ -153,32 +153,32 @@ class PagedKV:
         n, k, heads, dim = len(page_ids), self.page // tokens, self.heads, self.dim
         assert len(blocks) == n * k, (len(blocks), n, k)
         rows = as_rows(blocks)  # blocks in one buffer (a load's segment, the daemon's pool): read in place
-        if rows is None:
-            rows = torch.stack(blocks, out=self._buf("blocks_in", (len(blocks), *blocks[0].shape))), None
-        base, idx = rows
+        stage = None if rows is not None and rows[1] is None else self._buf("layer", (n * k, 2, tokens, heads, dim))
         if self.cpu.write_tokens is not None:
-            self._write_natively(base, idx, page_ids)
+            self._write_natively(blocks, rows, stage, page_ids)
             return
-        stage = self._buf("layer", (n * k, 2, tokens, heads, dim)) if idx is not None else None
         runs = _runs(page_ids)
         for i, layer in enumerate(self.layers):
-            src = base[:, i] if idx is None else torch.index_select(base[:, i], 0, idx, out=stage)
-            src, pages = src.view(n, k, 2, tokens, heads, dim), layer.view(layer.shape[0], heads, -1)
+            src, pages = _layer(blocks, rows, i, stage).view(n, k, 2, tokens, heads, dim), \
+                layer.view(layer.shape[0], heads, -1)
             for a, b, first in runs:
                 self._write_run(src[a:b], pages[first: first + b - a])
 
-    def _write_natively(self, base: Tensor, idx: Tensor | None, page_ids: list[int]) -> None:
+    def _write_natively(self, blocks: list[Tensor], rows: tuple[Tensor, Tensor | None] | None,
+                        stage: Tensor | None, page_ids: list[int]) -> None:
         """`write_blocks` through vLLM's own cache writer (`CpuPageLayout.write_tokens`):
-        each layer's K and V gathered token-major ``[T, H, D]`` (blocks `idx` of `base`), then packed by vLLM."""
-        m, tokens = (len(idx) if idx is not None else base.shape[0]), base.shape[3]
+        each layer's K and V staged token-major ``[T, H, D]``, then packed by vLLM."""
+        m, tokens = len(blocks), blocks[0].shape[2]
         slots = (torch.tensor(page_ids, dtype=torch.int64).view(-1, 1) * self.page + torch.arange(self.page)).view(-1)
         kv = self._buf("kv_tokens", (2, m, tokens, self.heads, self.dim))
         for i, layer in enumerate(self.layers):
-            for j in range(2):  # [m, tokens, H, D] per half: runs of H * D elements
-                if idx is None:
-                    kv[j].copy_(base[:, i, j])
-                else:
-                    torch.index_select(base[:, i, j], 0, idx, out=kv[j])
+            if rows is not None and rows[1] is not None:  # scattered rows: gathered straight into the staging
+                for j in range(2):
+                    torch.index_select(rows[0][:, i, j], 0, rows[1], out=kv[j])
+            else:
+                src = _layer(blocks, rows, i, stage)
+                for j in range(2):  # [m, tokens, H, D] per half: runs of H * D elements
+                    kv[j].copy_(src[:, j])
             self.cpu.write_tokens(layer, kv[0].view(-1, self.heads, self.dim), kv[1].view(-1, self.heads, self.dim), slots)
 
     def _write_run(self, src: Tensor, dst: Tensor) -> None:
@@ -227,6 +227,15 @@ class PagedKV:
         if buf is None or buf.numel() < numel:
             buf = self._bufs[name] = torch.empty(numel, dtype=self.dtype, device=self.device)
         return buf[:numel].view(shape)
+
+
+def _layer(blocks: list[Tensor], rows: tuple[Tensor, Tensor | None] | None, i: int, stage: Tensor | None) -> Tensor:
+    """Layer i of the blocks, ``[m, 2, tokens, H, D]``: a view where they are rows of one buffer in
+    order (`as_rows`), else gathered into `stage` (one layer's worth, reused)."""
+    if rows is None:
+        return torch.stack([b[i] for b in blocks], out=stage)
+    base, idx = rows
+    return base[:, i] if idx is None else torch.index_select(base[:, i], 0, idx, out=stage)
 
 
 def as_rows(blocks: list[Tensor]) -> tuple[Tensor, Tensor | None] | None:

@@ -30,6 +30,7 @@ import torch
 from cache_service.blocks.keys import Namespace, prefix_hashes
 from connectors.client import connect
 from tests.connectors.vllm.oracle import blocks_as_tokens, same, tokens
+from tests.integration.conftest import in_ci
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -50,9 +51,7 @@ def vllm_python() -> Path:
                          text=True, timeout=1800)
     if res.returncode != 0 or not py.exists():
         msg = f"vLLM venv unavailable (scripts/vllm-venv.sh rc={res.returncode}): {res.stdout[-800:]} {res.stderr[-800:]}"
-        if os.environ.get("CI") == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
+        pytest.fail(msg) if in_ci() else pytest.skip(msg)
     return py
 
 
@@ -88,7 +87,7 @@ def kv_of(records: list[dict], kind: str, end: int) -> torch.Tensor:
     parts = sorted((r for r in records if r["kind"] == kind), key=lambda r: r["start"])
     if any(r["kv"] is None for r in parts):  # a new ISA: in CI a failure, never a skip
         why = "the oracle does not know vLLM's CPU page packing for this machine's ISA"
-        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+        pytest.fail(why) if in_ci() else pytest.skip(why)
     kv = torch.cat([r["kv"] for r in parts], dim=2)
     assert parts[0]["start"] == 0 and kv.shape[2] >= end
     return kv[:, :, :end]
