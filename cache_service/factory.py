@@ -11,6 +11,7 @@ import xxhash
 
 from cache_service.config import TIER_ORDER, Config, CpuConfig, DiskConfig, HbmConfig, TierConfig
 from cache_service.config import S3Config
+from cache_service.blocks.objects import intact
 from cache_service.store.eviction import make_policy
 from cache_service.sessions.manifests import Manifests, SessionStore
 from cache_service.sessions.shared import S3Manifests, SharedSessionStore
@@ -40,7 +41,7 @@ def _cpu_kwargs(c: CpuConfig) -> dict[str, Any]:
 
 
 def _disk_kwargs(c: DiskConfig) -> dict[str, Any]:
-    return dict(root=c.path, capacity_bytes=c.capacity, fsync=c.fsync)
+    return dict(root=c.path, capacity_bytes=c.capacity, fsync=c.fsync, check=intact)
 
 
 def _s3_kwargs(c: S3Config) -> dict[str, Any]:

@@ -13,7 +13,11 @@ renames it over the final name and fsyncs the directory; only then does it
 commit the index entry. So after any crash every indexed file is complete,
 and whatever is on disk but not indexed is garbage that opening removes.
 Reads check size and checksum against the index anyway (bit rot, outside
-writers): a mismatch is a miss and the file is quarantined.
+writers): a mismatch is a miss and the file is quarantined. A damaged index
+heals (tiers/disk_index.py): it is set aside and rebuilt from the data files
+that the owner's `check` finds whole (the store passes one that reads each
+object's own header and checksum), so one damaged file never leaves the
+engine without its cache; a missing LOCK file is simply created again.
 
 An in-memory mirror of the index answers lookups; last-access times are
 updated there and reach lmdb with the next write transaction (put, delete,
@@ -30,14 +34,14 @@ import time
 from contextlib import suppress
 from itertools import count
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
-import lmdb
 import torch
 import xxhash
 
 from tiers.arena import Arena
 from tiers.base import ByteBudget, Tier
+from tiers.disk_index import DiskIndex
 from tiers.disk_io import buffers, fsync_dir, lock_root, parse_name, readers, unlink_quiet
 from tiers.types import BlockHash, TierKVError, TierUnavailableError
 
@@ -45,6 +49,7 @@ log = logging.getLogger(__name__)
 
 _ENTRY = struct.Struct("<QQQ")  # file size, xxh3_64 of the file bytes, last access (ns since epoch)
 _TMP_PREFIX = ".tmp-"
+Check = Callable[[BlockHash, memoryview], bool]  # whether a data file is a whole object of that block
 
 
 class _Entry:
@@ -72,20 +77,20 @@ class DiskTier(ByteBudget, Tier):
     verify_payload = False  # sizes and checksums are verified on every read
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, fsync: bool = True,
-                 map_size: int = 1 << 34) -> None:
+                 map_size: int = 1 << 34, check: Check | None = None) -> None:
         super().__init__(capacity_bytes)
         self.root = Path(root)
         self.fsync = fsync
+        self._check = check
         self._data = self.root / "data"
         self._quarantine_dir = self.root / "quarantine"
         self._make_dirs()
         self._lock_fd = lock_root(self.root)
         try:
-            self._env = lmdb.open(str(self.root / "index.lmdb"), map_size=map_size, subdir=True,
-                                  sync=fsync, metasync=fsync, readahead=False, max_dbs=0)
-        except lmdb.Error as e:
+            self._db = DiskIndex(self.root / "index.lmdb", map_size, fsync)
+        except TierUnavailableError:
             os.close(self._lock_fd)
-            raise TierUnavailableError(f"disk tier {self.root}: cannot open index: {e}") from e
+            raise
         self._lock = threading.Lock()  # guards the mirror, reservations and the clock
         self._commit_lock = threading.Lock()  # serializes index writes and renames/unlinks in data/
         self._index: dict[BlockHash, _Entry] = {}
@@ -108,27 +113,53 @@ class DiskTier(ByteBudget, Tier):
 
     def _recover(self) -> None:
         """Make disk agree with the index: drop entries without a complete
-        file, remove files and temp files the index does not know."""
-        with self._env.begin() as txn:
-            entries = {BlockHash(bytes(k)): _Entry(*_ENTRY.unpack(v)) for k, v in txn.cursor()}
-        kept: dict[BlockHash, _Entry] = {}
-        for f in os.scandir(self._data):
-            if not f.is_file(follow_symlinks=False):
-                continue  # not ours to judge: nothing here ever makes a directory
+        file, remove files and temp files the index does not know. An index
+        set aside as damaged, or empty beside data files (truncated), is
+        rebuilt from the files that pass `check` (none without one)."""
+        raw = self._db.entries
+        entries = {BlockHash(k): _Entry(*_ENTRY.unpack(v)) for k, v in (raw or {}).items()}
+        files = [f for f in os.scandir(self._data) if f.is_file(follow_symlinks=False)]
+        rebuilt = raw is None or (not raw and any(parse_name(f.name) for f in files))
+        kept = self._rebuild(files) if rebuilt else self._match(files, entries)
+        if rebuilt:
+            self._db.write({h: e.pack() for h, e in kept.items()}, [], dict)
+            log.warning("disk tier %s: index rebuilt from %d of %d data files", self.root, len(kept), len(files))
+        dropped = [h for h in entries if h not in kept]
+        if dropped and not rebuilt:
+            log.warning("disk tier %s: dropping %d index entries without a valid file", self.root, len(dropped))
+            self._write_index({}, dropped)
+        self._index = kept
+        self._used = sum(e.size for e in kept.values())
+        self._clock = max((e.atime for e in kept.values()), default=0)
+        self.stats.add(blocks=len(kept), used_bytes=self._used, errors=self._db.healed)
+
+    @staticmethod
+    def _match(files: list[os.DirEntry], entries: dict[BlockHash, _Entry]) -> dict[BlockHash, _Entry]:
+        """The entries whose file is there with its size; other files removed."""
+        kept = {}
+        for f in files:
             h = parse_name(f.name)
             e = entries.get(h) if h is not None else None
             if e is not None and f.stat().st_size == e.size:
                 kept[h] = e
             else:
                 unlink_quiet(f.path)
-        dropped = [h for h in entries if h not in kept]
-        if dropped:
-            log.warning("disk tier %s: dropping %d index entries without a valid file", self.root, len(dropped))
-            self._write_index({}, dropped)
-        self._index = kept
-        self._used = sum(e.size for e in kept.values())
-        self._clock = max((e.atime for e in kept.values()), default=0)
-        self.stats.add(blocks=len(kept), used_bytes=self._used)
+        return kept
+
+    def _rebuild(self, files: list[os.DirEntry]) -> dict[BlockHash, _Entry]:
+        """Entries for the data files that `check` finds whole; others removed."""
+        kept = {}
+        for f in files:
+            h = parse_name(f.name)
+            try:
+                data = Path(f.path).read_bytes() if h is not None and self._check is not None else b""
+            except OSError:
+                data = b""
+            if data and self._check(h, memoryview(data)):
+                kept[h] = _Entry(len(data), xxhash.xxh3_64_intdigest(data), f.stat().st_mtime_ns)
+            else:
+                unlink_quiet(f.path)
+        return kept
 
     def path_of(self, h: BlockHash) -> Path:
         """Where the data file of `h` lives (whether or not it exists)."""
@@ -235,21 +266,18 @@ class DiskTier(ByteBudget, Tier):
         last-access update. Caller holds the commit lock (or is opening)."""
         with self._lock:
             touched = {h: self._index[h].pack() for h in self._dirty if h in self._index}
-        try:
-            with self._env.begin(write=True) as txn:
-                for h, e in puts.items():
-                    txn.put(h, e.pack())
-                for h in dels:
-                    txn.delete(h)
-                for h, packed in touched.items():
-                    txn.put(h, packed)
-        except lmdb.Error as e:
-            log.warning("disk tier %s: index write failed: %s", self.root, e)
+        ok = self._db.write({h: e.pack() for h, e in puts.items()} | touched, dels, self._mirror)
+        if not ok:
             return False
         with self._lock:  # an access since the snapshot stays dirty
             self._dirty.difference_update(
                 h for h, packed in touched.items() if h in self._index and self._index[h].pack() == packed)
         return True
+
+    def _mirror(self) -> dict[bytes, bytes]:
+        """Every held entry, packed: what a rebuilt index is written from."""
+        with self._lock:
+            return {h: e.pack() for h, e in self._index.items()}
 
     def get_many(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Verified copies of the files; a damaged or missing file is a miss
@@ -339,7 +367,7 @@ class DiskTier(ByteBudget, Tier):
                 self._write_index({}, [])
             with self._lock:
                 self._closed = True
-            self._env.close()
+            self._db.close()
             os.close(self._lock_fd)
 
     def _tick(self) -> int:

@@ -268,6 +268,20 @@ def _verify_view(obj: memoryview, ns: Namespace, h: BlockHash, payload: bool = T
     return csum if obj[:HEADER_SIZE] == header(ns, h, csum) else None
 
 
+def intact(h: BlockHash, obj: memoryview) -> bool:
+    """Whether `obj` is a whole object of block `h` by its own header (its
+    namespace unknown here): magic, version, header checksum, hash, length,
+    payload checksum. What a disk tier rebuilding its index keeps."""
+    if len(obj) < HEADER_SIZE:
+        return False
+    head = bytes(obj[:HEADER_SIZE])
+    fields = _FIXED.unpack_from(head)
+    magic, version, hsize, bh, plen, csum = fields[0], fields[1], fields[2], fields[4], fields[13], fields[14]
+    return (magic == MAGIC and version == FORMAT_VERSION and hsize == HEADER_SIZE and bh == h
+            and _TAIL.unpack_from(head, _FIXED.size)[0] == xxhash.xxh3_64_intdigest(head[:_FIXED.size])
+            and len(obj) == HEADER_SIZE + plen and xxhash.xxh3_64_intdigest(obj[HEADER_SIZE:]) == csum)
+
+
 def require(objs: Objects, ns: Namespace, hashes: Sequence[BlockHash],
             sums: Sequence[int] | None = None, payload: bool = True) -> list[int]:
     """`verify`'s checksums when every object passes; else CorruptBlockError
