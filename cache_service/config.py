@@ -146,9 +146,16 @@ class S3Config(TierConfig):
     read_timeout: float = 10.0
     retries: int = 2
     write: str = "through"
+    # the upload journal (cache_service/store/journal.py): its size bound ("0": none) and its
+    # directory (default: journal.lmdb beside the disk tier's index, else under the cache root)
+    journal: int = 1 << 30
+    journal_path: str = ""
 
     def __post_init__(self) -> None:
         TierConfig.__post_init__(self)
+        self.journal = parse_size(self.journal, "journal") if self.journal not in (0, "0") else 0
+        if self.journal and self.journal < 1 << 20:
+            raise ConfigError(f"tiers.s3.journal must be 0 (none) or at least 1MiB, got {self.journal}")
         if not self.capacity:
             raise ConfigError("capacity is required")
         if not self.bucket:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -15,8 +16,10 @@ from cache_service.blocks.objects import intact
 from cache_service.store.eviction import make_policy
 from cache_service.sessions.manifests import Manifests, SessionStore
 from cache_service.sessions.shared import S3Manifests, SharedSessionStore
+from cache_service.store.journal import UploadJournal
 from cache_service.store.tiered_store import TieredStore
 from tiers.base import Tier
+from tiers.cache_root import default_cache_dir
 from tiers.registry import resolve
 
 if TYPE_CHECKING:
@@ -75,7 +78,25 @@ def open_store(cfg: Config) -> TieredStore:
     tiers = [make_tier(k, c) for k, c in zip(kinds, sections)]
     policies = [make_policy(c.policy, _capacity_blocks(t)) for t, c in zip(tiers, sections)]
     directory = open_directory(cfg) if cfg.directory is not None else None
-    return TieredStore(tiers, policies, [c.write for c in sections], cfg.store, directory=directory)
+    return TieredStore(tiers, policies, [c.write for c in sections], cfg.store, directory=directory,
+                       journals=open_journals(cfg))
+
+
+def open_journals(cfg: Config) -> dict[str, UploadJournal]:
+    """The S3 tier's upload journal, if it has one: beside the disk tier's
+    index (that tier's lock covers it), else under the cache root, one per
+    bucket and prefix."""
+    s3, disk = cfg.tiers.s3, cfg.tiers.disk
+    if s3 is None or not s3.journal:
+        return {}
+    if s3.journal_path:
+        path = Path(s3.journal_path)
+    elif disk is not None:
+        path = Path(disk.path) / "journal.lmdb"
+    else:
+        where = xxhash.xxh3_64_hexdigest(f"{s3.endpoint}|{s3.bucket}|{s3.prefix}".encode())
+        path = default_cache_dir() / "journals" / where
+    return {"s3": UploadJournal(path, s3.journal, fsync=disk.fsync if disk is not None else True)}
 
 
 def open_directory(cfg: Config, node: bool = True) -> "RedisDirectory":

@@ -9,6 +9,7 @@ until they land, so a block stays visible while it moves down.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -18,6 +19,7 @@ from cache_service.store.writer import Item
 from tiers.base import Tier
 from tiers.types import BlockHash, CapacityError
 
+log = logging.getLogger("tierkv.store")
 _MAX_BELOW_HITS = 1 << 16  # blocks whose lower-tier hits are remembered (oldest forgotten first)
 _MAX_DEFERRED = 1 << 20  # blocks a down tier refused, remembered to write once it is back
 
@@ -46,46 +48,74 @@ class Placement:
         self.evicted(i, victims)
         bypassed = [it for it, good in zip(todo, ok) if not good]
         if i and bypassed and (retry or not tier.available()):  # down for now: written once it is back
-            self._defer(i, [h for h, _ in bypassed])
+            self._defer(i, bypassed)
             bypassed = []
         if not owned and i + 1 < len(self.state.tiers):
             bypassed = [(h, obj.clone()) for h, obj in bypassed]
         self.demote(i, bypassed, "bypassed")
         return held
 
-    def _defer(self, i: int, hashes: Sequence[BlockHash]) -> None:
-        """Remember blocks tier i refused while down (hashes only: their bytes
-        stay in the tiers above); bounded, the oldest are dropped first."""
+    def _defer(self, i: int, items: Sequence[Item]) -> None:
+        """Remember blocks tier i refused while down: in its upload journal
+        (durable, with their bytes) when it has one, else, or past the
+        journal's bound, their hashes in memory (their bytes stay in the
+        tiers above); that set is bounded, the oldest dropped first."""
+        journal = self.state.journals[i]
+        kept = set(journal.record(items)) if journal is not None else set()
         with self.state.meta:
             later = self.state.deferred[i]
-            later.update(dict.fromkeys(hashes))
+            later.update(dict.fromkeys(h for h, _ in items if h not in kept))
             over = max(0, len(later) - _MAX_DEFERRED)
             for _ in range(over):
                 later.popitem(last=False)
-        self.state.count(i, deferred=len(hashes), dropped=over)
+        self.state.count(i, deferred=len(items), dropped=over)
 
     def retry_deferred(self, i: int, batch: int = 64, most: int = 4096) -> bool:
         """Writer i's tick: once tier i is available again, write the blocks it
-        refused while down, read back from the tiers above (a block that left
-        them meanwhile is dropped and counted; one refused again is deferred
-        again, and the tick ends). Live writes are not starved: once a batch
-        is done and new work waits in the writer's queue, the tick ends and
-        returns True (more to do: tick again after the next live batch), so
-        an outage's backlog and the live stores behind it take turns."""
-        done, later = 0, self.state.deferred[i]
+        refused while down: its journal's oldest first, then those remembered
+        in memory, read back from the tiers above (one that left them
+        meanwhile is lost, counted and logged; one refused again is
+        deferred again, and the tick ends). Live writes are not starved: once
+        a batch is done and new work waits in the writer's queue, the tick
+        ends and returns True (more to do: tick again after the next live
+        batch), so an outage's backlog and the live stores behind it take turns."""
+        done, journal = 0, self.state.journals[i]
         while done < most and self.state.tiers[i].available():
             if done and self.state.writers[i].depth():
-                return bool(later)
-            with self.state.meta:
-                hs = [later.popitem(last=False)[0] for _ in range(min(batch, len(later)))]
-            if not hs:
+                return bool(self.state.deferred[i]) or bool(journal and len(journal))
+            items = self._next_deferred(i, batch)
+            if items is None:
                 return False
-            items = self._read_above(i, hs)
-            self.state.count(i, dropped=len(hs) - len(items))
-            if len(self.put(i, items, retry=True)) < len(items):
+            held = self.put(i, items, retry=True)
+            if journal is not None:
+                journal.forget(list(held))
+            if len(held) < len(items):
                 return False  # refused again (a service still coming back, say): kept for a later tick
-            done += len(hs)
+            done += max(1, len(items))
         return False
+
+    def _next_deferred(self, i: int, batch: int) -> list[Item] | None:
+        """The next batch to retry for tier i (None: nothing is waiting)."""
+        journal = self.state.journals[i]
+        if journal is not None and (hs := journal.oldest(batch)):
+            items = journal.read(hs)
+            journal.forget([h for h in set(hs) - {h for h, _ in items}])  # unreadable: not to be retried forever
+            self._lost(i, len(hs) - len(items))
+            return items
+        later = self.state.deferred[i]
+        with self.state.meta:
+            hs = [later.popitem(last=False)[0] for _ in range(min(batch, len(later)))]
+        if not hs:
+            return None
+        items = self._read_above(i, hs)
+        self._lost(i, len(hs) - len(items))
+        return items
+
+    def _lost(self, i: int, n: int) -> None:
+        """n blocks bound for tier i can no longer reach it (no copy left to send)."""
+        if n:
+            self.state.count(i, lost=n)
+            log.warning("%d blocks bound for tier %s were lost (no copy left to write)", n, self.state.tiers[i].name)
 
     def _read_above(self, i: int, hashes: Sequence[BlockHash]) -> list[Item]:
         """(hash, object) of each of `hashes` some tier above i holds."""
@@ -126,9 +156,18 @@ class Placement:
             if not picked:
                 break
             objs = tier.get_many(picked) if i + 1 < len(self.state.tiers) else [None] * len(picked)
+            self._journal_victims(i + 1, picked, objs)
             tier.delete_many(picked)
             self.state.publish(i, picked, present=False)
             victims.extend(zip(picked, objs))  # counted as evictions even with nowhere to go
+
+    def _journal_victims(self, i: int, picked: Sequence[BlockHash], objs: Sequence[torch.Tensor | None]) -> None:
+        """Before victims leave the tier above tier i: those tier i (a
+        journaled one) does not hold yet go into its journal, so a write-back
+        victim survives a crash or an outage before it lands."""
+        journal = self.state.journals[i] if i < len(self.state.tiers) else None
+        if journal is not None:
+            journal.record([(h, o) for h, o in zip(picked, objs) if o is not None and not self.below_has(i, h)])
 
     def evicted(self, i: int, victims: Sequence[Item]) -> None:
         """Count `make_room`'s victims and send them down (outside the tier's lock)."""
@@ -221,6 +260,8 @@ class Placement:
             held = self.put(i, live)
             if i == 0:
                 self.state.count(0, promoted=len(held))
+            if self.state.journals[i] is not None:  # landed, or deleted while queued: not to be retried
+                self.state.journals[i].forget(list(held | {h for h, _ in batch if h not in {k for k, _ in live}}))
         finally:
             self._release(h for h, _ in batch)
 

@@ -23,9 +23,10 @@ from tiers.types import BlockHash
 
 if TYPE_CHECKING:
     from cache_service.directory.redis_directory import RedisDirectory
+    from cache_service.store.journal import UploadJournal
     from cache_service.store.writer import TierWriter
 
-COUNTERS = ("hits", "misses", "evictions", "corrupt", "promoted", "demoted", "dropped", "bypassed", "deferred")
+COUNTERS = ("hits", "misses", "evictions", "corrupt", "promoted", "demoted", "dropped", "bypassed", "deferred", "lost")
 
 
 @dataclass(slots=True)
@@ -50,6 +51,8 @@ class StoreState:
     # writer 0 promotes hits into the top tier; writer i > 0 fills tier i (set by the store once built)
     writers: list["TierWriter"] = field(default_factory=list)
     spares_out: int = 0  # spare slots handed out and not yet committed or handed back
+    # per tier: its upload journal (journal.py) or None; the deferred set then holds only what the journal refused
+    journals: list["UploadJournal | None"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         assert self.tiers and len(self.tiers) == len(self.policies) == len(self.modes)
@@ -58,6 +61,8 @@ class StoreState:
         self.locks = [threading.RLock() for _ in self.tiers]
         self.deferred = [OrderedDict() for _ in self.tiers]
         self.counters = [dict.fromkeys(COUNTERS, 0) for _ in self.tiers]
+        self.journals = self.journals or [None] * len(self.tiers)
+        assert len(self.journals) == len(self.tiers)
 
     def through(self) -> list[int]:
         """Indexes of the write-through tiers below the top (they get a copy of every new block)."""
@@ -69,6 +74,21 @@ class StoreState:
             c = self.counters[i]
             for k, v in deltas.items():
                 c[k] += v
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """`TieredStore.stats`."""
+        out = {}
+        for i, tier in enumerate(self.tiers):
+            with self.meta:
+                c = dict(self.counters[i])
+            t = tier.stats.as_dict()
+            c["corrupt"] += t["corrupt"]  # the tier's own checksum failures plus the store's
+            t.update(c)
+            t["queue_depth"] = self.writers[i].depth()
+            if self.journals[i] is not None:
+                t.update(self.journals[i].stats())
+            out[tier.name] = t
+        return out
 
     def touch(self, i: int, hashes: Sequence[BlockHash]) -> None:
         """Refresh the recency of blocks tier i holds."""

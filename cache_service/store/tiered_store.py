@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
@@ -56,6 +56,7 @@ from tiers.types import BlockHash, CorruptBlockError, TierKVError
 
 if TYPE_CHECKING:
     from cache_service.directory.redis_directory import RedisDirectory
+    from cache_service.store.journal import UploadJournal
 
 log = logging.getLogger("tierkv.store")
 
@@ -65,8 +66,10 @@ class TieredStore:
 
     def __init__(self, tiers: Sequence[Tier], policies: Sequence[EvictionPolicy],
                  write_modes: Sequence[str], cfg: StoreConfig | None = None,
-                 directory: "RedisDirectory | None" = None) -> None:
-        st = self._state = StoreState(list(tiers), list(policies), list(write_modes), cfg or StoreConfig(), directory)
+                 directory: "RedisDirectory | None" = None, journals: Mapping[str, "UploadJournal"] = {}) -> None:
+        """`journals`: tier name -> the upload journal of that tier (journal.py)."""
+        st = self._state = StoreState(list(tiers), list(policies), list(write_modes), cfg or StoreConfig(), directory,
+                                      journals=[journals.get(t.name) for t in tiers])
         self.tiers, self.modes, self.cfg, self.directory = st.tiers, st.modes, st.cfg, st.directory  # for callers
         self._reads_s3 = directory is not None and any(t.name == "s3" for t in tiers)
         self._placement = moves = Placement(st)
@@ -324,7 +327,6 @@ class TieredStore:
         """End `hold`s."""
         self._slots.let_go(held)
 
-
     # ------------------------------------------------------------------ admin
     def delete(self, hashes: Sequence[BlockHash]) -> int:
         """Remove blocks from every tier; returns how many tier copies went."""
@@ -333,6 +335,8 @@ class TieredStore:
                 self._state.inflight.pop(h, None)
                 self._state.pins.pop(h, None)
         n = 0
+        for journal in filter(None, self._state.journals):  # not to be uploaded after all
+            journal.forget(hashes)
         for i, tier in enumerate(self.tiers):
             with self._state.locks[i]:
                 n += tier.delete_many(hashes)
@@ -358,18 +362,9 @@ class TieredStore:
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier: store counters (hits, misses, evictions, corrupt, ...)
-        merged with the tier's own (bytes, blocks, capacity) and queue depth.
-        Hits and misses are the store's (the tier also serves eviction reads)."""
-        out = {}
-        for i, tier in enumerate(self.tiers):
-            with self._state.meta:
-                c = dict(self._state.counters[i])
-            t = tier.stats.as_dict()
-            c["corrupt"] += t["corrupt"]  # the tier's own checksum failures plus ours
-            t.update(c)
-            t["queue_depth"] = self._state.writers[i].depth()
-            out[tier.name] = t
-        return out
+        merged with the tier's own (bytes, blocks, capacity), queue depth and
+        upload journal. Hits and misses are the store's (the tier also serves eviction reads)."""
+        return self._state.stats()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every background write and promotion has landed (True) or timeout."""
@@ -390,6 +385,8 @@ class TieredStore:
             w.stop(1.0)
         for tier in self.tiers:
             tier.close()
+        for journal in filter(None, self._state.journals):
+            journal.close()
         if self.directory is not None:
             self.directory.close()
 

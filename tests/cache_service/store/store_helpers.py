@@ -1,6 +1,9 @@
 """Shared scaffolding for store tests: a small namespace and key-derived payloads."""
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
 from cache_service.config import load_config
@@ -8,6 +11,7 @@ from cache_service.factory import open_store
 from cache_service.blocks.keys import Namespace, prefix_hashes
 from cache_service.blocks.objects import object_size
 from cache_service.store.tiered_store import TieredStore
+from tiers.disk import DiskTier
 
 NS = Namespace("test-model", "bfloat16", num_layers=2, kv_heads=2, head_dim=16, block_tokens=4)
 OBJ = object_size(NS)
@@ -45,3 +49,38 @@ def write_flushed(store, hs) -> None:
 def all_same(got, hs) -> bool:
     """Every loaded payload present and equal to payload_for(its hash)."""
     return all(g is not None and same(g, payload_for(h)) for g, h in zip(got, hs))
+
+
+class FlakyDisk(DiskTier):
+    """A real disk tier that refuses every write while `down` (as S3 does
+    during an outage: put_many returns False and available() says why), and
+    then `refuse` more writes while saying it is available (as a gateway
+    does while it comes back: errors that do not look like an outage)."""
+
+    down = False
+    refuse = 0
+    delay = 0.0  # seconds per put_many once back (a slow gateway)
+    writing: threading.Event
+
+    def available(self) -> bool:
+        return not self.down
+
+    def put_many(self, hashes, objs):
+        if not self.down and self.delay:
+            self.writing.set()
+            time.sleep(self.delay)
+        if self.down:
+            return [False] * len(hashes)
+        if self.refuse:
+            self.refuse -= 1
+            return [False] * len(hashes)
+        return super().put_many(hashes, objs)
+
+
+def until(check, limit_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + limit_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

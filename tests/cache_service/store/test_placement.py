@@ -9,35 +9,9 @@ import time
 from cache_service.store.eviction import make_policy
 from cache_service.blocks.objects import decode
 from cache_service.store.tiered_store import TieredStore
-from tests.cache_service.store.store_helpers import NS, OBJ, all_same, hashes, payload_for
+from tests.cache_service.store.store_helpers import NS, OBJ, FlakyDisk, all_same, hashes, payload_for, until
 from tiers.cpu import CpuTier
 from tiers.disk import DiskTier
-
-
-class FlakyDisk(DiskTier):
-    """A real disk tier that refuses every write while `down` (as S3 does
-    during an outage: put_many returns False and available() says why), and
-    then `refuse` more writes while saying it is available (as a gateway
-    does while it comes back: errors that do not look like an outage)."""
-
-    down = False
-    refuse = 0
-    delay = 0.0  # seconds per put_many once back (a slow gateway)
-    writing: threading.Event
-
-    def available(self) -> bool:
-        return not self.down
-
-    def put_many(self, hashes, objs):
-        if not self.down and self.delay:
-            self.writing.set()
-            time.sleep(self.delay)
-        if self.down:
-            return [False] * len(hashes)
-        if self.refuse:
-            self.refuse -= 1
-            return [False] * len(hashes)
-        return super().put_many(hashes, objs)
 
 
 def _store(tmp_path, cpu_blocks: int = 64) -> tuple[TieredStore, FlakyDisk]:
@@ -45,15 +19,6 @@ def _store(tmp_path, cpu_blocks: int = 64) -> tuple[TieredStore, FlakyDisk]:
     tiers = [CpuTier(cpu_blocks * OBJ, OBJ), lower]
     store = TieredStore(tiers, [make_policy("lru", cpu_blocks), make_policy("lru", 1024)], ["through", "through"])
     return store, lower
-
-
-def _until(check, limit_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + limit_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def _store_while_down(store: TieredStore, lower: FlakyDisk, hs) -> None:
@@ -71,20 +36,20 @@ def test_blocks_refused_while_down_are_written_once_back(tmp_path):
     assert store.stats()["disk"]["deferred"] == 10 and store.stats()["disk"]["dropped"] == 0
     # it comes back: within a writer tick or two, every block is there, byte-exact
     lower.down = False
-    assert _until(lambda: lower.contains_many(hs) == [True] * 10)
+    assert until(lambda: lower.contains_many(hs) == [True] * 10)
     assert all_same([decode(o, NS, h) for o, h in zip(lower.get_many(hs), hs)], hs)
     store.close()
 
 
-def test_a_block_gone_from_the_tiers_above_is_counted_dropped(tmp_path):
+def test_a_block_gone_from_the_tiers_above_is_counted_lost(tmp_path):
     store, lower = _store(tmp_path, cpu_blocks=64)
     hs = hashes(6)
     _store_while_down(store, lower, hs)
     # two blocks leave the top tier while the lower one is down: nothing is left to write them from
     store.tiers[0].delete_many(hs[:2])
     lower.down = False
-    assert _until(lambda: lower.contains_many(hs[2:]) == [True] * 4)
-    assert _until(lambda: store.stats()["disk"]["dropped"] == 2)
+    assert until(lambda: lower.contains_many(hs[2:]) == [True] * 4)
+    assert until(lambda: store.stats()["disk"]["lost"] == 2)
     assert lower.contains_many(hs[:2]) == [False, False]
     store.close()
 
@@ -96,8 +61,8 @@ def test_a_deferred_write_refused_again_is_kept_for_a_later_tick(tmp_path):
     # back, but its first two write attempts still fail without it looking down
     lower.refuse, lower.down = 2, False
     # the refused retries are kept: a later tick writes every block, and none is counted dropped
-    assert _until(lambda: lower.contains_many(hs) == [True] * 5)
-    assert lower.refuse == 0 and store.stats()["disk"]["dropped"] == 0
+    assert until(lambda: lower.contains_many(hs) == [True] * 5)
+    assert lower.refuse == 0 and store.stats()["disk"]["dropped"] == store.stats()["disk"]["lost"] == 0
     store.close()
 
 
@@ -113,10 +78,10 @@ def test_live_writes_take_turns_with_an_outage_backlog(tmp_path):
     # a live store arrives meanwhile: it lands after a batch or two of the backlog, not after all of it
     fresh = hashes(2, start=10_000)
     store.store(NS, fresh, [payload_for(h) for h in fresh])
-    assert _until(lambda: lower.contains_many(fresh) == [True, True])
+    assert until(lambda: lower.contains_many(fresh) == [True, True])
     assert sum(lower.contains_many(backlog)) <= 320
     # and the backlog is all written in the end
-    assert _until(lambda: lower.contains_many(backlog) == [True] * 640)
+    assert until(lambda: lower.contains_many(backlog) == [True] * 640)
     store.close()
 
 
