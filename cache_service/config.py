@@ -146,16 +146,15 @@ class S3Config(TierConfig):
     read_timeout: float = 10.0
     retries: int = 2
     write: str = "through"
-    # the upload journal (cache_service/store/journal.py): its size bound ("0": none) and its
+    # the upload journal (cache_service/store/journal.py): its size bound (0: none) and its
     # directory (default: journal.lmdb beside the disk tier's index, else under the cache root)
-    journal: int = 1 << 30
+    journal_bytes: int = 1 << 30
     journal_path: str = ""
 
     def __post_init__(self) -> None:
         TierConfig.__post_init__(self)
-        self.journal = parse_size(self.journal, "journal") if self.journal not in (0, "0") else 0
-        if self.journal and self.journal < 1 << 20:
-            raise ConfigError(f"tiers.s3.journal must be 0 (none) or at least 1MiB, got {self.journal}")
+        if self.journal_bytes and self.journal_bytes < 1 << 20:
+            raise ConfigError(f"journal_bytes must be 0 (no journal) or at least 1MiB, got {self.journal_bytes}")
         if not self.capacity:
             raise ConfigError("capacity is required")
         if not self.bucket:
@@ -297,7 +296,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return value
     leaf = key.rsplit(".", 1)[-1]
     if tp is int and (leaf == "capacity" or leaf.endswith("_bytes")):
-        return parse_size(value, key)
+        off = leaf != "capacity" and not isinstance(value, bool) and value in (0, "0")  # 0: none / automatic
+        return 0 if off else parse_size(value, key)
     try:
         if tp in (int, float) and isinstance(value, bool):
             raise ValueError

@@ -87,7 +87,7 @@ def open_journals(cfg: Config) -> dict[str, UploadJournal]:
     index (that tier's lock covers it), else under the cache root, one per
     bucket and prefix."""
     s3, disk = cfg.tiers.s3, cfg.tiers.disk
-    if s3 is None or not s3.journal:
+    if s3 is None or not s3.journal_bytes:
         return {}
     if s3.journal_path:
         path = Path(s3.journal_path)
@@ -96,7 +96,7 @@ def open_journals(cfg: Config) -> dict[str, UploadJournal]:
     else:
         where = xxhash.xxh3_64_hexdigest(f"{s3.endpoint}|{s3.bucket}|{s3.prefix}".encode())
         path = default_cache_dir() / "journals" / where
-    return {"s3": UploadJournal(path, s3.journal, fsync=disk.fsync if disk is not None else True)}
+    return {"s3": UploadJournal(path, s3.journal_bytes, fsync=disk.fsync if disk is not None else True)}
 
 
 def open_directory(cfg: Config, node: bool = True) -> "RedisDirectory":
