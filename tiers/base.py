@@ -43,11 +43,16 @@ class Tier(ABC):
     their payload checksum checked (memory tiers are trusted; a tier that
     verifies its own stored checksum may say False too). ``remote`` marks a
     tier read over the network: the store copies its hits up on the first one.
+    ``rechecks`` marks a tier whose stored copies can be damaged while it
+    runs or sleeps (files): the store has it `recheck` a copy it holds when
+    the same block is stored again, since a block recomputed by an engine
+    while a copy exists may mean that copy is bad.
     """
 
     name: str = "tier"
     verify_payload: bool = True
     remote: bool = False
+    rechecks: bool = False
 
     def __init__(self, capacity_bytes: int) -> None:
         assert capacity_bytes > 0, "tier capacity must be positive"
@@ -95,6 +100,12 @@ class Tier(ABC):
     def note_namespace(self, fingerprint: bytes) -> None:
         """The store is about to load blocks of this namespace (a tier whose
         keys include it, like S3's, uses the hint to find blocks it never saw)."""
+
+    def recheck(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Of held `hashes`, those whose stored copy is damaged (taken out of
+        service now, so they can be written again). Tiers that trust their
+        copies return []."""
+        return []
 
     def quarantine(self, hashes: Iterable[BlockHash]) -> None:
         """Take objects that failed verification out of service (a tier that

@@ -43,7 +43,7 @@ from tiers.arena import Arena
 from tiers.base import ByteBudget, Tier
 from tiers.disk_index import DiskIndex
 from tiers.disk_io import buffers, fsync_dir, lock_root, parse_name, readers, unlink_quiet
-from tiers.types import BlockHash, TierKVError, TierUnavailableError
+from tiers.types import HASH_BYTES, BlockHash, TierKVError, TierUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class DiskTier(ByteBudget, Tier):
 
     name = "disk"
     verify_payload = False  # sizes and checksums are verified on every read
+    rechecks = True  # files can be damaged under the tier
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, fsync: bool = True,
                  map_size: int = 1 << 34, check: Check | None = None) -> None:
@@ -87,7 +88,7 @@ class DiskTier(ByteBudget, Tier):
         self._make_dirs()
         self._lock_fd = lock_root(self.root)
         try:
-            self._db = DiskIndex(self.root / "index.lmdb", map_size, fsync)
+            self._db = DiskIndex(self.root / "index.lmdb", map_size, fsync, HASH_BYTES, _ENTRY.size)
         except TierUnavailableError:
             os.close(self._lock_fd)
             raise
@@ -325,6 +326,18 @@ class DiskTier(ByteBudget, Tier):
             self.stats.add(errors=1)
             return None
         return buf if xxhash.xxh3_64_intdigest(view) == e.csum else None
+
+    def recheck(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Read held files back; those that fail their checks are quarantined
+        and returned (the caller writes them again)."""
+        with self._lock:
+            found = [(h, self._index[h]) for h in hashes if h in self._index]
+        bad = []
+        for h, e in found:
+            if self._read(h, e, torch.empty(e.size, dtype=torch.uint8)) is None and self._set_aside(h, e):
+                bad.append(h)
+        self.stats.add(corrupt=len(bad))
+        return bad
 
     def quarantine(self, hashes: Iterable[BlockHash]) -> None:
         """Move blocks that failed the store's checks into quarantine/. The

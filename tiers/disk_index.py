@@ -6,7 +6,12 @@ the first read past the end, and random bytes in a page surface as
 MDB_CORRUPTED from any later cursor or write. So:
 
 - before mapping it, the file is checked against lmdb's meta pages (magic,
-  version, page size, last page in use <= the file's length);
+  version, page size, last page in use <= the file's length), then extended
+  (sparse: no disk space) 4 GiB past its last page in use: lmdb bounds page
+  numbers but not a damaged record's length (up to 4 GiB), so a read past
+  the file's end would be a SIGBUS; within the extension it reads zeros;
+- records are read as views and each must have the owner's key and value
+  lengths before it is copied (a damaged length is damage, not an allocation);
 - opening it reads every entry (the tier mirrors them in memory), so
   damage in any page in use is met at open, as an lmdb error;
 - either way the index is moved aside (``index.lmdb.damaged-<ns>``, the
@@ -39,13 +44,15 @@ log = logging.getLogger(__name__)
 _META = struct.Struct("<I")
 _META_MAGIC, _DATA_VERSION = 0xBEEFC0DE, 1
 _DAMAGED = "damaged-"
+_LONGEST_RECORD = (1 << 32) + (1 << 20)  # what a damaged 32-bit record length can reach past its page
 
 Mirror = Callable[[], dict[bytes, bytes]]
 
 
-def damage(path: Path) -> str | None:
+def vet(path: Path) -> str | None:
     """What is wrong with the index environment at `path` as lmdb would map
-    it, or None (sound, or new). Reads only the two meta pages."""
+    it, or None (sound, or new). Reads only the two meta pages; a sound
+    file is extended past its last page in use (see the module docstring)."""
     f = path / "data.mdb"
     try:
         size = f.stat().st_size
@@ -61,7 +68,22 @@ def damage(path: Path) -> str | None:
     psize, last, _ = max(metas, key=lambda m: m[2])
     if (last + 1) * psize > size:
         return f"file is {size} bytes, its meta page needs {(last + 1) * psize}"
+    if size < (last + 1) * psize + _LONGEST_RECORD:
+        os.truncate(f, (last + 1) * psize + _LONGEST_RECORD)
     return None
+
+
+def bytes_in_use(path: Path) -> int:
+    """How much of the index file at `path` lmdb uses (its sound meta page's
+    last page), or the file's length when no meta page is sound."""
+    f = path / "data.mdb"
+    with open(f, "rb") as fh:
+        head = fh.read(2 * 65536)
+    metas = [m for m in (_meta(head, 0), _meta(head, 1)) if m is not None]
+    if not metas:
+        return f.stat().st_size
+    psize, last, _ = max(metas, key=lambda m: m[2])
+    return (last + 1) * psize
 
 
 def _meta(head: bytes, which: int) -> tuple[int, int, int] | None:
@@ -83,24 +105,35 @@ class DiskIndex:
     """hash -> packed entry in lmdb at `path`; see the module docstring.
 
     `entries`: what the index held at open, or None when it was damaged and
-    set aside (the owner rebuilds, then `write`s what it found)."""
+    set aside (the owner rebuilds, then `write`s what it found). Every
+    record has `key_len` and `value_len` bytes."""
 
-    def __init__(self, path: Path, map_size: int, sync: bool) -> None:
-        self.path, self._map_size, self._sync = path, map_size, sync
+    def __init__(self, path: Path, map_size: int, sync: bool, key_len: int, value_len: int) -> None:
+        self.path, self._sync, self._lens = path, sync, (key_len, value_len)
+        self._map_size = max(map_size, 2 * _LONGEST_RECORD)  # the extension is mapped too
         self.healed = 0
         self.entries: dict[bytes, bytes] | None = None
-        problem = damage(path)
+        problem = vet(path)
         if problem is None:
             try:
                 self._env = self._open()
-                with self._env.begin() as txn:
-                    self.entries = {bytes(k): bytes(v) for k, v in txn.cursor()}
+                self.entries = self._read_all()
                 return
             except (lmdb.Error, TierUnavailableError) as e:
                 problem = str(e)
                 self._close_quietly()
         self._set_aside(problem)
         self._env = self._open()
+
+    def _read_all(self) -> dict[bytes, bytes]:
+        """Every record, after checking its lengths (lmdb.Error if one is wrong)."""
+        out = {}
+        with self._env.begin(buffers=True) as txn:
+            for k, v in txn.cursor():
+                if (len(k), len(v)) != self._lens:
+                    raise lmdb.CorruptedError(f"a record of {len(k)}+{len(v)} bytes, not {self._lens}")
+                out[bytes(k)] = bytes(v)
+        return out
 
     def _open(self) -> lmdb.Environment:
         try:

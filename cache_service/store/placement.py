@@ -38,7 +38,7 @@ class Placement:
         tier, pol = self.state.tiers[i], self.state.policies[i]
         victims: list[Item] = []
         with self.state.locks[i]:
-            todo = [it for it, ok in zip(items, tier.contains_many([h for h, _ in items])) if not ok]
+            todo = [it for it, ok in zip(items, self._holds(i, [h for h, _ in items])) if not ok]
             ok = self._put_locked(i, todo, victims)
             for (h, _), good in zip(todo, ok):
                 if good:
@@ -53,6 +53,20 @@ class Placement:
         if not owned and i + 1 < len(self.state.tiers):
             bypassed = [(h, obj.clone()) for h, obj in bypassed]
         self.demote(i, bypassed, "bypassed")
+        return held
+
+    def _holds(self, i: int, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Whether tier i holds each block sound: a tier that `rechecks` reads
+        back the copies it has of blocks stored again (caller holds its lock)."""
+        tier = self.state.tiers[i]
+        held = tier.contains_many(hashes)
+        if tier.rechecks and any(held):
+            bad = set(tier.recheck([h for h, ok in zip(hashes, held) if ok]))
+            if bad:
+                for h in bad:
+                    self.state.policies[i].remove(h)
+                self.state.publish(i, list(bad), present=False)
+                held = [ok and h not in bad for h, ok in zip(hashes, held)]
         return held
 
     def _defer(self, i: int, items: Sequence[Item]) -> None:

@@ -285,8 +285,9 @@ class TieredStore:
         through = self._state.through()
         if through and not owned:  # writers hold objects past this call
             new = [(h, obj.clone()) for h, obj in new]
-        for i in through:
-            self._placement.submit(i, [it for it in new if not self._placement.below_has(i, it[0])])
+        for i in through:  # a tier that rechecks its copies reads back those it has (Placement._holds)
+            self._placement.submit(i, [it for it in new if self.tiers[i].rechecks
+                                       or not self._placement.below_has(i, it[0])])
         return len(stored)
 
     # ------------------------------------------------------------------ a shared top tier (SharedSlots)

@@ -15,7 +15,7 @@ import torch
 from cache_service.blocks.keys import Namespace, prefix_hashes
 from cache_service.blocks.objects import encode, intact, object_size
 from tiers.disk import DiskTier
-from tiers.disk_index import damage
+from tiers.disk_index import bytes_in_use, vet
 
 REPO = Path(__file__).resolve().parents[2]
 NS = Namespace("heal-model", "bfloat16", num_layers=2, kv_heads=2, head_dim=16, block_tokens=4)
@@ -71,7 +71,7 @@ def test_a_truncated_index_is_set_aside_before_lmdb_maps_it(tmp_path):
     # Cut short (lmdb would map past the end: SIGBUS at the first read there): the check says so.
     with open(f, "r+b") as fh:
         fh.truncate(f.stat().st_size // 2)
-    assert "needs" in damage(tmp_path / "index.lmdb")
+    assert "needs" in vet(tmp_path / "index.lmdb")
     # Opened in a child process, so a crash would show as its exit status, not take pytest down.
     code = ("import sys; from tiers.disk import DiskTier; from cache_service.blocks.objects import intact;"
             f"t = DiskTier({str(tmp_path)!r}, 8 << 20, check=intact); print(t.stats.blocks, t.stats.errors)")
@@ -108,7 +108,7 @@ def test_damage_met_by_a_write_rebuilds_the_index_from_memory(tmp_path):
     f = index_file(tmp_path)
     with open(f, "r+b") as fh:
         fh.seek(2 * 4096)
-        fh.write(random.Random(7).randbytes(f.stat().st_size - 2 * 4096))
+        fh.write(random.Random(7).randbytes(bytes_in_use(f.parent) - 2 * 4096))
     # Writes go on (the index is rewritten from the tier's own entries) and nothing is lost.
     more = blocks(5, start=1000)
     assert all(tier.put_many([h for h, _ in more], [o for _, o in more]))
