@@ -15,7 +15,7 @@ from cache_service.config import S3Config
 from cache_service.blocks.objects import intact
 from cache_service.store.eviction import make_policy
 from cache_service.sessions.manifests import Manifests, SessionStore
-from cache_service.sessions.shared import S3Manifests, SharedSessionStore
+from cache_service.sessions.shared import PendingManifests, S3Manifests, SharedSessionStore
 from cache_service.store.journal import UploadJournal
 from cache_service.store.tiered_store import TieredStore
 from tiers.base import Tier
@@ -123,7 +123,9 @@ def open_sessions(cfg: Config, root: str | os.PathLike, store: Any = None) -> Ma
     has one."""
     if cfg.directory is None:
         return SessionStore(root)
-    durable: Manifests = S3Manifests(cfg.tiers.s3) if cfg.tiers.s3 is not None else SessionStore(root)
+    durable: Manifests = SessionStore(root)
+    if cfg.tiers.s3 is not None:  # S3 is the truth; what it refuses waits in local files (PendingManifests)
+        durable = PendingManifests(S3Manifests(cfg.tiers.s3), SessionStore(Path(root) / "pending-manifests"))
     directory = getattr(store, "directory", None)
     if directory is not None:
         return SharedSessionStore(directory, durable)

@@ -4,6 +4,10 @@
 - `S3Manifests`: one object per session in the deployment's bucket, under
   ``<s3 prefix>-sessions/<tenant>/`` (outside the block prefix, so a
   lifecycle rule on blocks never expires a session).
+- `PendingManifests`: S3 manifests with a local fallback: a manifest S3
+  refuses (an outage) is written durably to local files and uploaded once S3
+  answers, by a background thread (S3 stays the source of truth; the local
+  copy is newer while it waits, so reads look there first).
 - `SharedSessionStore`: the Redis directory in front of one of those. The
   durable copy is the source of truth and is written first; Redis holds a copy
   of each manifest, each tenant's index and the pins, so any node reads and
@@ -13,11 +17,14 @@
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING
 
-from cache_service.sessions.manifests import Manifests, Session, SessionError, check_id, check_ids
+from cache_service.sessions.manifests import Manifests, Session, SessionError, SessionStore, check_id, check_ids
+
+log = logging.getLogger("tierkv.sessions")
 
 if TYPE_CHECKING:
     from cache_service.config import S3Config
@@ -85,6 +92,70 @@ class S3Manifests:
         return head is not None
 
 
+class PendingManifests:
+    """`remote` (S3Manifests) with the manifests it refused kept in `local`
+    (SessionStore, durable files) until a retry uploads them (module docstring)."""
+
+    def __init__(self, remote: Manifests, local: SessionStore, retry_s: float = 5.0) -> None:
+        self.remote, self.local, self.retry_s = remote, local, retry_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tierkv-manifests", daemon=True)
+        self._thread.start()
+
+    def _pending(self) -> list[tuple[str, str]]:
+        """(tenant, id) of every manifest waiting to be uploaded."""
+        if not self.local.root.is_dir():
+            return []
+        tenants = [d.name for d in self.local.root.iterdir() if d.is_dir()]
+        return [("" if t == "_" else t, sid) for t in tenants for sid in self.local.list("" if t == "_" else t)]
+
+    def upload_pending(self) -> int:
+        """Upload what waits, oldest tenant first; stops at the first refusal. Returns how many are left."""
+        left = self._pending()
+        for tenant, sid in list(left):
+            s = self.local.get(sid, tenant)
+            try:
+                if s is not None:
+                    self.remote.put(s)
+            except SessionError:
+                return len(left)
+            self.local.delete(sid, tenant)
+            left.remove((tenant, sid))
+        return len(left)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.retry_s):
+            try:
+                if self._pending():
+                    self.upload_pending()
+            except Exception:  # dispatch boundary: retried at the next tick
+                log.exception("uploading pending manifests failed")
+
+    def get(self, session_id: str, tenant: str = "") -> Session | None:
+        return self.local.get(session_id, tenant) or self.remote.get(session_id, tenant)
+
+    def put(self, s: Session) -> None:
+        """To S3; when S3 refuses, durably to local files (acknowledged: uploaded later)."""
+        try:
+            self.remote.put(s)
+            self.local.delete(s.session_id, s.tenant)  # an older one waiting must not overwrite this later
+        except SessionError as e:
+            self.local.put(s)
+            log.warning("session %s: S3 refused its manifest (%s); kept on local disk until S3 answers",
+                        s.session_id, e)
+
+    def list(self, tenant: str = "") -> list[str]:
+        return sorted(set(self.local.list(tenant)) | set(self.remote.list(tenant)))
+
+    def delete(self, session_id: str, tenant: str = "") -> bool:
+        waiting = self.local.delete(session_id, tenant)
+        return self.remote.delete(session_id, tenant) or waiting
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 class SharedSessionStore:
     """Manifests every node sees: the directory in front of `durable` (the
     source of truth; see the module docstring for the read and write paths)."""
@@ -145,6 +216,9 @@ class SharedSessionStore:
     def close(self) -> None:
         if self._owns:
             self.directory.close()
+        close = getattr(self.durable, "close", None)
+        if close is not None:
+            close()
 
     def _repair(self) -> None:
         """Replay writes that missed Redis (in order) once it answers: the

@@ -1,0 +1,40 @@
+"""Session manifests during an S3 outage: S3 is their source of truth, so a
+manifest S3 refuses is kept in durable local files, read from there while it
+waits, and uploaded by the background retry once S3 answers (moto's S3
+server, stopped and restarted on the same port)."""
+from __future__ import annotations
+
+import uuid
+
+from cache_service.config import S3Config
+from cache_service.sessions.manifests import Session, SessionStore
+from cache_service.sessions.shared import PendingManifests, S3Manifests
+from tests.cache_service.store.store_helpers import until
+from tests.tiers.test_s3_unit import Moto
+
+
+def test_a_manifest_saved_while_s3_is_down_reaches_it_afterwards(tmp_path):
+    moto = Moto()
+    bucket = f"sessions-{uuid.uuid4().hex[:8]}"
+    moto.client().create_bucket(Bucket=bucket)
+    cfg = S3Config(bucket=bucket, capacity=1 << 30, endpoint=moto.url, access_key="k", secret_key="s",
+                   retries=0, connect_timeout=0.5, read_timeout=1.0)
+    s3 = S3Manifests(cfg)
+    manifests = PendingManifests(s3, SessionStore(tmp_path), retry_s=0.2)
+    try:
+        manifests.put(Session("before", tenant="acme", token_ids=[1, 2]))
+        # S3 goes down: a save is still acknowledged, written to local files.
+        moto.stop()
+        manifests.put(Session("during", tenant="acme", token_ids=[3, 4, 5]))
+        assert (tmp_path / "sessions" / "acme" / "during.json").exists()
+        # While it waits it is read and listed from there.
+        assert manifests.get("during", "acme").token_ids == [3, 4, 5]
+        assert "during" in manifests.local.list("acme")
+        # S3 answers again: the retry uploads it, and the local copy goes.
+        moto.start()
+        assert until(lambda: not manifests.local.list("acme"), 20)
+        assert s3.get("during", "acme").token_ids == [3, 4, 5]
+        assert manifests.list("acme") == ["before", "during"]
+    finally:
+        manifests.close()
+        moto.stop()
