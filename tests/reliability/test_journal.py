@@ -31,12 +31,19 @@ pytestmark = pytest.mark.slow
 BLOCKS, OUTAGE_S = 1000, 60.0
 
 
-def s3_daemon_config(root, s3, bucket: str, prefix: str, s3_write: str, cpu_blocks: int, disk_blocks: int) -> str:
+def s3_daemon_config(root, s3, bucket: str, prefix: str, s3_write: str, cpu_blocks: int, disk_blocks: int,
+                     journal: str = "64MiB") -> str:
     return (f"[tiers.cpu]\ncapacity = {cpu_blocks * OBJ}\n\n"
             f'[tiers.disk]\npath = "{root / "store"}"\ncapacity = {disk_blocks * OBJ}\nwrite = "through"\n\n'
             f'[tiers.s3]\nbucket = "{bucket}"\nprefix = "{prefix}"\nendpoint = "{s3.endpoint}"\n'
             f'access_key = "{s3.access_key}"\nsecret_key = "{s3.secret_key}"\ncapacity = "1GiB"\n'
-            f'write = "{s3_write}"\nretries = 0\nconnect_timeout = 1.0\nread_timeout = 3.0\njournal_bytes = "64MiB"\n')
+            f'write = "{s3_write}"\nretries = 0\nconnect_timeout = 1.0\nread_timeout = 3.0\njournal_bytes = "{journal}"\n')
+
+
+def listed(client, bucket: str, prefix: str) -> int:
+    """How many objects are under `prefix` (a listing, no reads)."""
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    return sum(len(p.get("Contents", ())) for p in pages)
 
 
 def in_s3(client, bucket: str, prefix: str) -> dict[bytes, bytes]:
@@ -61,12 +68,30 @@ def durable(c: GrpcClient, write_back: bool) -> dict:
     return c.stats()
 
 
+def store_past_the_bound(d, hs: list, root) -> dict:
+    """Store `hs` into daemon d (S3 down) while watching its journal's file: {limit, max file bytes, refused}."""
+    f, seen = root / "store" / "journal.lmdb" / "data.mdb", 0
+    with GrpcClient(d.url()) as c:
+        for k in range(0, len(hs), 50):
+            c.store(NS, hs[k:k + 50], [payload_for(h) for h in hs[k:k + 50]])
+            seen = max(seen, f.stat().st_size if f.exists() else 0)
+        assert until(lambda: c.stats()["s3"]["queue_depth"] == 0, 60) is not None
+        s = c.stats()["s3"]
+    seen = max(seen, f.stat().st_size)
+    assert s["journal_blocks"] + s["journal_refused"] == len(hs), s
+    return {"limit_bytes": 1 << 20, "max_file_bytes": seen, "journaled": s["journal_blocks"],
+            "refused": s["journal_refused"]}
+
+
 def test_blocks_stored_during_an_s3_outage_survive_sigkill(daemons, tmp_path, s3_server, s3_bucket):
-    prefixes = {m: f"rel-journal-{m}-{uuid.uuid4().hex[:8]}" for m in ("through", "back")}
+    prefixes = {m: f"rel-journal-{m}-{uuid.uuid4().hex[:8]}" for m in ("through", "back", "bound")}
     a = daemons(s3_daemon_config(tmp_path / "a", s3_server, s3_bucket, prefixes["through"], "through", 64, 4096),
                 name="a").start()
     b = daemons(s3_daemon_config(tmp_path / "b", s3_server, s3_bucket, prefixes["back"], "back", 64, 200),
                 name="b").start()
+    # C's journal (1 MiB) holds far fewer than the blocks it will be asked to keep: its bound must hold.
+    c_ = daemons(s3_daemon_config(tmp_path / "c", s3_server, s3_bucket, prefixes["bound"], "through", 64, 4096,
+                                  journal="1MiB"), name="c").start()
     hs = hashes(BLOCKS)
     # S3 goes down; both daemons acknowledge 1,000 blocks each, durable in their disks and journals.
     assert servers("stop", "rgw", timeout=120).returncode == 0
@@ -77,6 +102,7 @@ def test_blocks_stored_during_an_s3_outage_survive_sigkill(daemons, tmp_path, s3
                 for k in range(0, BLOCKS, 50):
                     c.store(NS, hs[k:k + 50], [payload_for(h) for h in hs[k:k + 50]])
                 durable(c, d is b)
+        bound = store_past_the_bound(c_, hashes(2 * BLOCKS, start=10**6), tmp_path / "c")
         journaled = {d: GrpcClient(d.url()).stats()["s3"]["journal_blocks"] for d in (a, b)}
         # Both are SIGKILLed during the outage and restarted: the journals are still there.
         for d in (a, b):
@@ -100,12 +126,16 @@ def test_blocks_stored_during_an_s3_outage_survive_sigkill(daemons, tmp_path, s3
         local = sum(g is not None and same(g, payload_for(h)) for g, h in zip(c.load(NS, rest), rest))
         lost_b = c.stats()["s3"]["lost"]
     lost_a = sum(want[h] != through.get(h) for h in hs)
+    with GrpcClient(c_.url()) as c:  # C was not killed: what its journal refused still reached S3 from its disk
+        assert until(lambda: listed(client, s3_bucket, prefixes["bound"]) == 2 * BLOCKS, 120, every_s=1) is not None
+        bound["lost"] = c.stats()["s3"]["lost"]
     wrong_b = sum(want[h] != v for h, v in back.items())
     figure("journal", outage_s=outage_s, through_in_s3=len(through), through_lost=lost_a,
            back_in_s3=len(back), back_on_disk=local, back_lost=BLOCKS - len(back) - local, back_lost_counted=lost_b,
-           journaled_a=journaled[a], journaled_b=journaled[b], wrong=wrong_b)
+           journaled_a=journaled[a], journaled_b=journaled[b], wrong=wrong_b, **{f"bound_{k}": v for k, v in bound.items()})
     assert lost_a == 0 and len(through) == BLOCKS
     assert wrong_b == 0 and len(back) + local == BLOCKS and lost_b == 0
+    assert bound["max_file_bytes"] <= bound["limit_bytes"] and bound["refused"] > 0 and bound["lost"] == 0
 
 
 def test_redis_restarted_empty_sees_a_nodes_disk_again_within_seconds(tmp_path, redis_url):
