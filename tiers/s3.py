@@ -22,7 +22,8 @@ them); bucket-wide, a lifecycle rule (``set_expiration``) is the backstop.
 Failures. 404 is a miss. Any other failure is a miss, or a put returning
 False, counted in ``stats.errors`` and logged at a bounded rate; nothing is
 raised to the store. After a transport failure or a 5xx the tier leaves S3
-alone for ``retry_after_s`` (reads miss, writes fail at once), so an outage
+alone for ``retry_after_s``, doubled for each failure right after a pause up
+to 8x (reads miss, writes fail at once), so an outage
 costs callers misses, not waits. Only bad settings or credentials raise, at
 construction; an endpoint unreachable at open is an outage (starts empty).
 
@@ -109,6 +110,7 @@ class S3Tier(ByteBudget, Tier):
         self._namespaces: dict[str, None] = {}  # namespaces seen or noted, most recent last
         self._used = self._reserved = 0
         self._down_until = 0.0
+        self._pause = retry_after_s  # the current pause after an outage-like failure (doubles, up to 8x)
         self._ready = False  # bucket checked/created
         self._closed = False
         self._warn = Throttled(log)
@@ -378,7 +380,12 @@ class S3Tier(ByteBudget, Tier):
         self._warn.warn("s3 tier: %s %s failed: %s", op, what, e)
 
     def _trip(self) -> None:
-        self._down_until = time.monotonic() + self.retry_after_s
+        now = time.monotonic()
+        if now < self._down_until:  # another request of the same burst
+            return
+        again = now - self._down_until < self._pause  # failed again right after the last pause
+        self._pause = min(2 * self._pause, 8 * self.retry_after_s) if again else self.retry_after_s
+        self._down_until = now + self._pause
 
     def _remember_foreign(self, sizes: dict[BlockHash, int]) -> None:
         """Caller holds the lock. Bounded: the oldest entries go first."""

@@ -13,24 +13,22 @@ What it holds (``P`` = ``tkv:<prefix>``; braces are Redis Cluster hash tags)::
 Node keys share a slot (one MGET reads every record); a tenant's keys share a
 slot (saving a session is one MULTI/EXEC); block keys spread over the cluster.
 
-A hint, never the truth: S3 and each node's tiers are. A stale entry costs a
-miss the engine recomputes; a missing one costs a miss. Entries heal by
-themselves: block keys expire, node records expire without heartbeats, and a
-node that (re)registers (first start, its record expired, or Redis restarted
-empty) re-publishes what it holds through the `on_register` callbacks (told
-whether Redis lost its data, i.e. the epoch token changed: then S3 entries
-are re-published too, by every node that knows them).
+A hint, never the truth: S3 and each node's tiers are. A stale or missing
+entry costs a miss the engine recomputes. Entries heal by themselves: block
+keys expire, node records expire without heartbeats, and a node that
+(re)registers (first start, its record expired, Redis restarted empty)
+re-announces what it holds through the `on_register` callbacks, paced
+(announcements.py); told whether Redis lost its data (the epoch token
+changed), every node re-announces the S3 blocks it knows too.
 
-Availability. Redis errors never reach callers (``cache_service/directory/redis_link.py``:
-counted, logged at a bounded rate, Redis left alone for a doubling backoff up
-to `max_backoff_s`); meanwhile calls return at once (``skipped``): lookups
-find nothing, manifests read None, block updates stay queued (bounded; the
-oldest are dropped and counted). A background thread heartbeats, drains the
-update queue and probes Redis when it is down.
-
-Cost on the hot path: `publish`/`unpublish` only append to a local queue;
-`locate_many` is one pipeline for the whole batch (one round trip per Redis
-node), and a store asks only about blocks its own tiers miss.
+Availability. Redis errors never reach callers (redis_link.py: counted,
+logged at a bounded rate, Redis left alone for a doubling backoff up to
+`max_backoff_s`); meanwhile calls return at once (``skipped``): lookups find
+nothing, manifests read None, block updates stay queued (bounded; the oldest
+are dropped and counted). A background thread heartbeats, drains the update
+queue and probes Redis when it is down. On the hot path `publish` and
+`unpublish` only append to that queue; `locate_many` is one pipeline for the
+whole batch, and a store asks only about blocks its own tiers miss.
 """
 from __future__ import annotations
 
@@ -46,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from tiers.counters import Counters
+from cache_service.directory.announcements import Announcements
 from cache_service.directory.redis_link import Link, Unavailable, make_client, text
 from tiers.types import BlockHash, ConfigError
 
@@ -94,6 +93,7 @@ class RedisDirectory:
         self._link = Link(lambda: make_client(url, cluster_nodes, socket_timeout_s), self.stats, max_backoff_s)
         self._cv = threading.Condition()
         self._queue: deque[tuple[bool, str, BlockHash]] = deque()
+        self._announcing = Announcements()
         self._busy = 0  # updates taken off the queue, not yet applied
         self._closed = False
         self._records: dict[str, dict] = {}
@@ -128,16 +128,14 @@ class RedisDirectory:
         return self._link.up
 
     def location_of(self, tier_name: str) -> str | None:
-        """The location a block in tier `tier_name` of this node has in the
-        directory (None: that tier is not visible to other nodes)."""
+        """Where tier `tier_name`'s blocks are in the directory (None: only this node sees it)."""
         if tier_name == "s3":
             return S3
         return self.node_id if tier_name == "disk" and self.node_id else None
 
     def on_register(self, callback: Callable[[bool], None]) -> None:
-        """Call `callback(redis_was_empty)` on the directory thread after every
-        (re)registration of this node, to re-publish what it holds; once soon
-        if this node registered before the callback was added."""
+        """Call `callback(redis_was_empty)` on the directory thread after every (re)registration
+        of this node, to re-announce what it holds; once soon if it registered before."""
         with self._cv:
             self._callbacks.append(callback)
             if self._registered:
@@ -145,8 +143,7 @@ class RedisDirectory:
                 self._cv.notify_all()
 
     def nodes(self, fresh: bool = False) -> dict[str, dict]:
-        """Live nodes: id -> record, as of the last heartbeat round, or read
-        now with `fresh` (the cached view when Redis cannot be used)."""
+        """Live nodes: id -> record, as of the last heartbeat, or read now with `fresh` (if Redis answers)."""
         if fresh:
             records = self._link.call_or(self._read_nodes, "nodes", None)
             if records is not None:
@@ -156,6 +153,12 @@ class RedisDirectory:
             return dict(self._records)
 
     # ------------------------------------------------------------ blocks
+    def announce(self, location: str, hashes: Sequence[BlockHash]) -> None:
+        """Publish everything `location` holds again, paced (announcements.py)."""
+        with self._cv:
+            self._announcing.add(location, hashes)
+            self._cv.notify_all()
+
     def publish(self, location: str, hashes: Iterable[BlockHash]) -> None:
         """Record (in the background) that `location` holds these blocks."""
         self._enqueue(True, location, hashes)
@@ -198,8 +201,7 @@ class RedisDirectory:
         return [frozenset(m for m in map(text, s) if m == S3 or m in live) for s in found]
 
     def in_s3(self, hashes: Sequence[BlockHash]) -> list[bool]:
-        """Whether the directory knows each block to be in S3 (all False when
-        Redis cannot be used)."""
+        """Whether the directory knows each block to be in S3 (all False when Redis cannot be used)."""
         found = self.locate_many(hashes)
         return [False] * len(hashes) if found is None else [S3 in s for s in found]
 
@@ -208,7 +210,7 @@ class RedisDirectory:
         Redis is unusable (they stay queued) or when `timeout` passes."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._queue or self._busy:
+            while self._queue or self._busy or self._announcing:
                 left = None if deadline is None else deadline - time.monotonic()
                 if not self._link.up or (left is not None and left <= 0) or self._closed:
                     return False
@@ -285,6 +287,7 @@ class RedisDirectory:
     def _tick(self) -> float:
         """Seconds until the next heartbeat, or the next probe while down."""
         wait = max(0.0, self._next_beat - time.monotonic())
+        wait = min(wait, self._announcing.due_in() if self._announcing else wait)
         return max(0.01, min(wait, self._link.retry_in()) if not self._link.up else wait)
 
     def _heartbeat(self) -> None:
@@ -344,6 +347,8 @@ class RedisDirectory:
         goes back to the front of the queue."""
         while True:
             with self._cv:
+                if len(self._queue) < _BATCH:  # re-announcements fill in behind live updates
+                    self._queue.extend(self._announcing.take(_BATCH))
                 if not self._queue or not self._link.ready():
                     return
                 batch = [self._queue.popleft() for _ in range(min(_BATCH, len(self._queue)))]

@@ -107,9 +107,9 @@ class StoreState:
     def announce(self, redis_was_empty: bool) -> None:
         """Directory callback on (re)registration: re-publish this node's
         disk; after Redis lost its data, the S3 blocks this node knows too."""
-        for i, tier in enumerate(self.tiers):
+        for i, tier in enumerate(self.tiers):  # paced by the directory; most recently used first
             if self.where[i] is not None and (tier.name != "s3" or redis_was_empty):
-                self.publish(i, tier.keys())
+                self.directory.announce(self.where[i], tier.keys()[::-1])
 
     def pin(self, hashes: Sequence[BlockHash], ttl_s: float | None) -> None:
         """Keep blocks out of eviction until `ttl_s` passes (None: until unpinned)."""
