@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 import torch
 
 from tiers.base import SlotTier
-from tiers.host_copy import copy_all, copy_hashed, shared_matrix
+from tiers.host_copy import copy_all, copy_arrays, copy_hashed, shared_matrix
 from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError
 
 
@@ -55,6 +55,7 @@ class SlotPool(SlotTier):
         self.slot_bytes = 0
         self.num_slots = 0
         self._pool: torch.Tensor | None = None
+        self._host_rows = None  # the pool as a numpy matrix, when it is host memory
         self._free: list[int] = []
         self._index: dict[BlockHash, tuple[int, int]] = {}  # hash -> (slot, nbytes)
         self._readers: dict[int, int] = {}  # slot -> copies in flight out of it
@@ -80,6 +81,7 @@ class SlotPool(SlotTier):
             self._pool = torch.empty((self.num_slots, slot_bytes), dtype=torch.uint8,
                                      device=self.device, pin_memory=self.pinned)
             self.slot_stride = slot_bytes
+        self._host_rows = self._pool.numpy() if self._pool.device.type == "cpu" else None
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.slot_bytes = slot_bytes
         if self.prefault and self.device.type == "cpu" and not self.pinned:  # pinned memory is resident
@@ -138,9 +140,13 @@ class SlotPool(SlotTier):
             for obj in objs:  # all or nothing: refuse the batch before storing any of it
                 self.footprint(obj.numel())
             todo = self._reserve(hashes)
-            copies = [(self._slot(slot, objs[i].numel()), objs[i]) for i, slot in todo]
+            rows = self._host_rows if all(o.device.type == "cpu" for o in objs) else None
+            copies = [(self._slot(slot, objs[i].numel()), objs[i]) for i, slot in todo] if rows is None else []
         try:
-            copy_all(copies)
+            if rows is None:
+                copy_all(copies)
+            else:  # host to host: numpy views straight off the pool (a torch view per slot costs ~2 us)
+                copy_arrays([rows[slot, :objs[i].numel()] for i, slot in todo], [objs[i].numpy() for i, _ in todo])
         except BaseException:
             with self._lock:
                 self._free.extend(slot for _, slot in todo)
@@ -336,7 +342,7 @@ class SlotPool(SlotTier):
             self._closed = True
             self._index.clear()
             self._free.clear()
-            self._pool = None
+            self._pool = self._host_rows = None
             if self.share_fd >= 0:  # clients that mapped it keep its memory until they unmap
                 os.close(self.share_fd)
                 self.share_fd = -1
