@@ -1,0 +1,216 @@
+"""The embedded store at NVMe scale: how opening, memory, lookups and stores
+grow with the blocks its disk tier holds (issue #19).
+
+For each size N of the curve, the disk tier is filled up to N small block
+objects (1,152 bytes: a 1-layer, 1-head, dim-16 namespace; filled with
+fsync off, in batches), then a fresh process measures, on the embedded
+store (`open_store`, cpu -> disk, as `local://` builds it):
+
+- reopen: seconds from `open_store` to a store that answers;
+- RSS per block: the process's resident memory growth over that open / N;
+- index bytes per block: the lmdb index's pages in use / N;
+- lookup of 256 held hashes: `store.lookup` latency, p50 and p99 (us);
+- store rate: new blocks of the same size stored through the store with
+  fsync on, until flushed, as a ratio to raw write + fsync + rename of the
+  same files in a directory of the same filesystem (one directory fsync per
+  batch, as the tier does).
+
+The 10M figures are extrapolated from the last two points (labelled so).
+Usage: python bench/scale.py [--quick] [--dir D] [--plot PNG]; --quick: 100k
+blocks only, under 60 s. Last line: one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import xxhash
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from cache_service.blocks.keys import Namespace  # noqa: E402
+from cache_service.blocks.objects import encode  # noqa: E402
+
+NS = Namespace("scale-bench", "bfloat16", num_layers=1, kv_heads=1, head_dim=16, block_tokens=16)
+BATCH = 2000
+
+
+def key(i: int) -> bytes:
+    return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
+
+
+def payload(i: int) -> torch.Tensor:
+    return torch.full(NS.block_shape, float(i % 251), dtype=torch.bfloat16)
+
+
+def fill(root: Path, start: int, end: int) -> float:
+    """Add blocks start..end-1 to the disk tier at root (fsync off); seconds taken."""
+    from tiers.disk import DiskTier
+
+    t0 = time.perf_counter()
+    tier = DiskTier(root, 1 << 42, fsync=False)
+    for a in range(start, end, BATCH):
+        ids = range(a, min(end, a + BATCH))
+        hs = [key(i) for i in ids]
+        tier.put_many(hs, [encode(NS, h, payload(i)) for h, i in zip(hs, ids)])
+    tier.close()
+    return time.perf_counter() - t0
+
+
+def config(root: Path, fsync: bool):
+    from cache_service.config import load_config
+
+    return load_config(env={}, overrides={"tiers": {"cpu": {"capacity": "64MiB"},
+                                                    "disk": {"path": str(root), "capacity": 1 << 42, "fsync": fsync}}})
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def probe(root: Path, n: int, scratch: Path) -> dict:
+    """Run in a fresh process: the figures of a store holding n blocks."""
+    from cache_service.factory import open_store
+    from tiers.disk_index import bytes_in_use
+
+    open_store(config(root.parent / "empty", fsync=True)).close()  # imports and one-time set-up, not counted
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    store = open_store(config(root, fsync=True))
+    reopen = time.perf_counter() - t0
+    rss = rss_bytes() - before
+    lat = []
+    for r in range(300):
+        hs = [key((r * 7919 + j * 104729) % n) for j in range(256)]
+        t = time.perf_counter()
+        got = store.lookup(hs)
+        lat.append((time.perf_counter() - t) * 1e6)
+        assert got == len(hs), f"only {got} of 256 held blocks found"
+    lat.sort()
+    ours, raw = store_rate(store, n, scratch)
+    store.close()
+    shutil.rmtree(root.parent / "empty", ignore_errors=True)
+    return {"blocks": n, "reopen_s": reopen, "rss_bytes_per_block": rss / n,
+            "index_bytes_per_block": bytes_in_use(root / "index.lmdb") / n,
+            "lookup256_us_p50": lat[len(lat) // 2], "lookup256_us_p99": lat[int(len(lat) * 0.99)],
+            "store_blocks_s": ours, "raw_blocks_s": raw, "store_rate_vs_raw": ours / raw}
+
+
+def store_rate(store, n: int, scratch: Path, count: int = 4000) -> tuple[float, float]:
+    """Blocks/s of new blocks stored and flushed (fsync on), and of the raw file writes."""
+    ids = range(n + 10**9, n + 10**9 + count)
+    hs = [key(i) for i in ids]
+    payloads = [payload(i) for i in ids]
+    objs = [encode(NS, h, p).numpy().tobytes() for h, p in zip(hs, payloads)]
+    t0 = time.perf_counter()
+    for a in range(0, count, 64):
+        store.store(NS, hs[a:a + 64], payloads[a:a + 64])
+    assert store.flush(300)
+    ours = count / (time.perf_counter() - t0)
+    scratch.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    for a in range(0, count, 64):
+        for h, obj in zip(hs[a:a + 64], objs[a:a + 64]):
+            tmp = scratch / f".tmp-{h.hex()}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(fd, obj)
+            os.fsync(fd)
+            os.close(fd)
+            os.rename(tmp, scratch / h.hex())
+        dfd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+        os.fsync(dfd)
+        os.close(dfd)
+    raw = count / (time.perf_counter() - t0)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return ours, raw
+
+
+def measure(root: Path, n: int) -> dict:
+    """`probe` in a fresh process (what a restarted engine or daemon pays)."""
+    run = subprocess.run([sys.executable, __file__, "--probe", str(root), str(n)], capture_output=True, text=True,
+                         timeout=3600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if run.returncode != 0:
+        raise RuntimeError(f"probe failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def extrapolate(curve: list[dict], n: int, k: str) -> float:
+    """Linear in the blocks held, through the last two points."""
+    a, b = curve[-2], curve[-1]
+    slope = (b[k] - a[k]) / (b["blocks"] - a["blocks"])
+    return b[k] + slope * (n - b["blocks"])
+
+
+def plot(curve: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [c["blocks"] / 1e6 for c in curve]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, (k, label) in zip(axes, (("reopen_s", "reopen (s)"), ("rss_bytes_per_block", "RSS per block (B)"),
+                                     ("lookup256_us_p99", "lookup of 256, p99 (us)"))):
+        ax.plot(xs, [c[k] for c in curve], marker="o")
+        ax.set_xlabel("blocks held (millions)")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="100k blocks only (under 60 s)")
+    ap.add_argument("--dir", default=None, help="a directory on the disk to measure (default: a temp dir)")
+    ap.add_argument("--plot", default=None, help="write the curve as a PNG here (needs matplotlib)")
+    ap.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.probe:
+        root = Path(args.probe[0])
+        print(json.dumps(probe(root, int(args.probe[1]), root.parent / "raw-scratch")))
+        return
+    sizes = [100_000] if args.quick else [300_000, 1_000_000, 3_000_000]
+    base = Path(tempfile.mkdtemp(prefix="tierkv-scale-", dir=args.dir))
+    curve, held = [], 0
+    try:
+        for n in sizes:
+            fill_s = fill(base / "store", held, n)
+            held = n
+            row = measure(base / "store", n) | {"fill_s": fill_s}
+            curve.append(row)
+            print(f"{n:>9,} blocks  reopen {row['reopen_s']:.2f} s  RSS {row['rss_bytes_per_block']:.0f} B/block  "
+                  f"index {row['index_bytes_per_block']:.0f} B/block  lookup256 p50/p99 "
+                  f"{row['lookup256_us_p50']:.0f}/{row['lookup256_us_p99']:.0f} us  store {row['store_blocks_s']:.0f} "
+                  f"blocks/s ({row['store_rate_vs_raw']:.2f} of raw)", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    last = curve[-1]
+    if len(curve) > 1:
+        print(f"10,000,000 blocks (extrapolated, linear through the last two points): reopen "
+              f"{extrapolate(curve, 10**7, 'reopen_s'):.1f} s, RSS "
+              f"{extrapolate(curve, 10**7, 'rss_bytes_per_block') * 1e7 / 2**30:.1f} GiB")
+    if args.plot:
+        plot(curve, Path(args.plot))
+    tag = "3m" if last["blocks"] == 3_000_000 else f"{last['blocks'] // 1000}k"
+    print(json.dumps({"blocks": last["blocks"], f"reopen_s_{tag}": round(last["reopen_s"], 3),
+                      f"rss_bytes_per_block_{tag}": round(last["rss_bytes_per_block"], 1),
+                      f"lookup256_us_p99_{tag}": round(last["lookup256_us_p99"], 1),
+                      "reopen_growth": round(curve[-1]["reopen_s"] / curve[0]["reopen_s"], 2) if len(curve) > 1 else None,
+                      "store_rate_vs_raw": round(last["store_rate_vs_raw"], 3)}))
+
+
+if __name__ == "__main__":
+    main()
