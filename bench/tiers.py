@@ -3,9 +3,10 @@ measured in the same run.
 
 - CPU tier: put_many / get_into of block objects vs a plain torch copy of the
   same bytes into preallocated buffers (memcpy).
-- Disk tier: put_many / get_many vs raw sequential file writes (write + fsync
-  + close per file) and reads (open + readinto + close) of the same bytes and
-  file sizes. Page cache dropped for the files read (posix_fadvise
+- Disk tier: put_many / get_many vs raw file writes (write + fsync + close
+  per file, one after another as the tier's writer does) and reads (open +
+  readinto + close, by as many threads as the tier reads with) of the same
+  bytes and file sizes. Page cache dropped for the files read (posix_fadvise
   DONTNEED after an fsync), for both sides: reads come from the device.
 - Hashing: our chained xxh3_128 block keys vs vLLM's default prefix hash
   sha256(pickle.dumps((parent, tuple(tokens), None))) on the same token lists
@@ -25,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cache_service.blocks.keys import chain_hashes  # noqa: E402
 from tiers.cpu import CpuTier  # noqa: E402
 from tiers.disk import DiskTier  # noqa: E402
+from tiers.disk_io import READ_THREADS  # noqa: E402
 
 # bytes per 16-token block: SmolLM2-135M bf16 (30 layers, 3 KV heads, dim 64), Llama-3-8B bf16
 SIZES = {"smollm2-135m": 30 * 2 * 16 * 3 * 64 * 2, "llama3-8b": 32 * 2 * 16 * 8 * 128 * 2}
@@ -98,10 +101,15 @@ def _raw_write(paths, objs) -> None:
 
 
 def _raw_read(paths, size) -> None:
-    for p in paths:
+    """The files read by as many threads as the tier reads with (tiers/disk_io.py):
+    the device's limit at that concurrency, not one read at a time."""
+    def one(p) -> None:
         buf = torch.empty(size, dtype=torch.uint8)
         with open(p, "rb", buffering=0) as f:
             f.readinto(memoryview(buf.numpy()))
+
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        list(pool.map(one, paths))
 
 
 def bench_disk(n: int, size: int, reps: int, root: Path) -> dict[str, float]:

@@ -16,7 +16,7 @@ from tiers.types import HASH_BYTES, BlockHash, TierUnavailableError
 
 _HEX_DIGITS = "0123456789abcdef"
 
-_READ_THREADS = 8
+READ_THREADS = 8
 _readers_pool: ThreadPoolExecutor | None = None
 _readers_lock = threading.Lock()
 
@@ -28,7 +28,7 @@ def readers() -> ThreadPoolExecutor:
     global _readers_pool
     with _readers_lock:
         if _readers_pool is None:
-            _readers_pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="tierkv-disk-read")
+            _readers_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tierkv-disk-read")
         return _readers_pool
 
 
