@@ -23,8 +23,7 @@ Failures. 404 is a miss. Any other failure is a miss, or a put returning
 False, counted in ``stats.errors`` and logged at a bounded rate; nothing is
 raised to the store. After a transport failure or a 5xx the tier leaves S3
 alone for ``retry_after_s``, doubled for each failure right after a pause up
-to 8x (reads miss, writes fail at once), so an outage
-costs callers misses, not waits. Only bad settings or credentials raise, at
+to 8x (reads miss, writes fail at once), so an outage costs callers misses, not waits. Only bad settings or credentials raise, at
 construction; an endpoint unreachable at open is an outage (starts empty).
 
 Integrity is end to end: objects carry an xxh3 payload checksum the store
