@@ -275,7 +275,8 @@ class Placement:
             if i == 0:
                 self.state.count(0, promoted=len(held))
             if self.state.journals[i] is not None:  # landed, or deleted while queued: not to be retried
-                self.state.journals[i].forget(list(held | {h for h, _ in batch if h not in {k for k, _ in live}}))
+                deleted = {h for h, _ in batch} - {h for h, _ in live}
+                self.state.journals[i].forget(list(held | deleted))
         finally:
             self._release(h for h, _ in batch)
 
