@@ -6,14 +6,18 @@ objects (1,152 bytes: a 1-layer, 1-head, dim-16 namespace; filled with
 fsync off, in batches), then a fresh process measures, on the embedded
 store (`open_store`, cpu -> disk, as `local://` builds it):
 
-- reopen: seconds from `open_store` to a store that answers;
+- reopen: seconds from `open_store` to a store that answers; the disk
+  tier's background sweep (orphans, dangling records) is waited out
+  before the lookups, and its end reported;
 - RSS per block: the process's resident memory growth over that open / N;
 - index bytes per block: the lmdb index's pages in use / N;
 - lookup of 256 held hashes: `store.lookup` latency, p50 and p99 (us);
 - store rate: new blocks of the same size stored through the store with
   fsync on, until flushed, as a ratio to raw write + fsync + rename of the
   same files in a directory of the same filesystem (one directory fsync per
-  batch, as the tier does).
+  batch, as the tier does); and, for the layout question (#19 item 3), the
+  same objects written raw into slots of one preallocated segment file
+  with one fdatasync per batch.
 
 The 10M figures are extrapolated from the last two points (labelled so).
 Usage: python bench/scale.py [--quick] [--dir D] [--plot PNG]; --quick: 100k
@@ -73,11 +77,11 @@ def config(root: Path, fsync: bool):
                                                     "disk": {"path": str(root), "capacity": 1 << 42, "fsync": fsync}}})
 
 
-def rss_bytes() -> int:
+def rss_bytes(field: str = "VmRSS:") -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    raise RuntimeError(f"no {field}")
 
 
 def probe(root: Path, n: int, scratch: Path) -> dict:
@@ -86,11 +90,13 @@ def probe(root: Path, n: int, scratch: Path) -> dict:
     from tiers.disk_index import bytes_in_use
 
     open_store(config(root.parent / "empty", fsync=True)).close()  # imports and one-time set-up, not counted
-    before = rss_bytes()
+    before, anon_before = rss_bytes(), rss_bytes("RssAnon:")
     t0 = time.perf_counter()
     store = open_store(config(root, fsync=True))
     reopen = time.perf_counter() - t0
     rss = rss_bytes() - before
+    assert store.tiers[-1].swept.wait(3600)  # the background sweep after open: steady state from here
+    sweep = time.perf_counter() - t0
     lat = []
     for r in range(300):
         hs = [key((r * 7919 + j * 104729) % n) for j in range(256)]
@@ -99,10 +105,13 @@ def probe(root: Path, n: int, scratch: Path) -> dict:
         lat.append((time.perf_counter() - t) * 1e6)
         assert got == len(hs), f"only {got} of 256 held blocks found"
     lat.sort()
+    anon = rss_bytes("RssAnon:") - anon_before
     ours, raw = store_rate(store, n, scratch)
+    segments = segment_rate(scratch)
     store.close()
     shutil.rmtree(root.parent / "empty", ignore_errors=True)
-    return {"blocks": n, "reopen_s": reopen, "rss_bytes_per_block": rss / n,
+    return {"blocks": n, "reopen_s": reopen, "sweep_s": sweep, "rss_bytes_per_block": rss / n,
+            "anon_rss_bytes_per_block_after_sweep": anon / n, "raw_segment_blocks_s": segments,
             "index_bytes_per_block": bytes_in_use(root / "index.lmdb") / n,
             "lookup256_us_p50": lat[len(lat) // 2], "lookup256_us_p99": lat[int(len(lat) * 0.99)],
             "store_blocks_s": ours, "raw_blocks_s": raw, "store_rate_vs_raw": ours / raw}
@@ -135,6 +144,66 @@ def store_rate(store, n: int, scratch: Path, count: int = 4000) -> tuple[float, 
     raw = count / (time.perf_counter() - t0)
     shutil.rmtree(scratch, ignore_errors=True)
     return ours, raw
+
+
+def segment_rate(scratch: Path, count: int = 4000, obj: bytes | None = None) -> float:
+    """Blocks/s of the other layout (item 3 of #19): the same objects written
+    into slots of one preallocated segment file, one fdatasync per batch of 64."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    obj = obj if obj is not None else encode(NS, key(0), payload(0)).numpy().tobytes()
+    fd = os.open(scratch / "segment", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, count * len(obj))
+        os.fsync(fd)
+        t0 = time.perf_counter()
+        for a in range(0, count, 64):
+            for j in range(a, min(count, a + 64)):
+                os.pwrite(fd, obj, j * len(obj))
+            os.fdatasync(fd)
+        rate = count / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return rate
+
+
+def files_rate(scratch: Path, count: int, obj: bytes) -> float:
+    """Blocks/s of raw write + fsync + rename per file, one directory fsync per batch of 64."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    for a in range(0, count, 64):
+        for j in range(a, min(count, a + 64)):
+            tmp = scratch / f".tmp-{j}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(fd, obj)
+            os.fsync(fd)
+            os.close(fd)
+            os.rename(tmp, scratch / f"{j:032x}")
+        dfd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+        os.fsync(dfd)
+        os.close(dfd)
+    rate = count / (time.perf_counter() - t0)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return rate
+
+
+LAYOUT_SIZES = {"1.1 KiB (this bench)": 1152, "64 KiB": 64 << 10,
+                "368 KiB (SmolLM2-135M, 16 tokens, bf16)": 368 << 10, "2 MiB (Llama-3-8B, 16 tokens, bf16)": 2 << 20}
+
+
+def layouts(scratch: Path, quick: bool) -> list[dict]:
+    """Raw files vs segment slots at block sizes of real models (same bytes per row)."""
+    rows = []
+    for label, size in LAYOUT_SIZES.items():
+        count = max(64, min(4000, (64 if quick else 256) * 2**20 // size))
+        obj = os.urandom(size)
+        files = files_rate(scratch, count, obj)
+        seg = segment_rate(scratch, count, obj)
+        rows.append({"object": label, "bytes": size, "blocks": count, "files_blocks_s": files,
+                     "segment_blocks_s": seg, "segment_vs_files": seg / files})
+        print(f"layout {label:>40}: files {files:9.0f} blocks/s ({files * size / 2**20:6.1f} MiB/s)  segment "
+              f"{seg:9.0f} blocks/s ({seg * size / 2**20:6.1f} MiB/s)  segment/files {seg / files:5.2f}", flush=True)
+    return rows
 
 
 def measure(root: Path, n: int) -> dict:
@@ -194,9 +263,12 @@ def main() -> None:
             print(f"{n:>9,} blocks  reopen {row['reopen_s']:.2f} s  RSS {row['rss_bytes_per_block']:.0f} B/block  "
                   f"index {row['index_bytes_per_block']:.0f} B/block  lookup256 p50/p99 "
                   f"{row['lookup256_us_p50']:.0f}/{row['lookup256_us_p99']:.0f} us  store {row['store_blocks_s']:.0f} "
-                  f"blocks/s ({row['store_rate_vs_raw']:.2f} of raw)", flush=True)
+                  f"blocks/s ({row['store_rate_vs_raw']:.2f} of raw)  sweep done {row['sweep_s']:.1f} s  anon RSS "
+                  f"after it {row['anon_rss_bytes_per_block_after_sweep']:.0f} B/block  raw files/segment "
+                  f"{row['raw_blocks_s']:.0f}/{row['raw_segment_blocks_s']:.0f} blocks/s", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    table = layouts(base.parent / f"{base.name}-layouts", args.quick)
     last = curve[-1]
     if len(curve) > 1:
         print(f"10,000,000 blocks (extrapolated, linear through the last two points): reopen "
@@ -209,7 +281,9 @@ def main() -> None:
                       f"rss_bytes_per_block_{tag}": round(last["rss_bytes_per_block"], 1),
                       f"lookup256_us_p99_{tag}": round(last["lookup256_us_p99"], 1),
                       "reopen_growth": round(curve[-1]["reopen_s"] / curve[0]["reopen_s"], 2) if len(curve) > 1 else None,
-                      "store_rate_vs_raw": round(last["store_rate_vs_raw"], 3)}))
+                      "store_rate_vs_raw": round(last["store_rate_vs_raw"], 3),
+                      "segment_vs_files_raw": round(last["raw_segment_blocks_s"] / last["raw_blocks_s"], 2),
+                      "segment_vs_files_by_size": {r["bytes"]: round(r["segment_vs_files"], 2) for r in table}}))
 
 
 if __name__ == "__main__":

@@ -90,9 +90,9 @@ class TierConfig:
     def __post_init__(self) -> None:
         self.capacity = parse_size(self.capacity, "capacity") if self.capacity else 0
         _check_choice("write", self.write, ("back", "through"))
-        from cache_service.store.eviction import POLICIES
+        from cache_service.store.eviction import POLICIES, TIER_POLICIES
 
-        _check_choice("policy", self.policy, tuple(POLICIES))
+        _check_choice("policy", self.policy, POLICIES + TIER_POLICIES)
 
 
 @dataclass(slots=True)
@@ -122,6 +122,7 @@ class DiskConfig(TierConfig):
     path: str = ""
     fsync: bool = True
     write: str = "through"
+    policy: str = "sampled"  # LRU from the index's own access times: opens in O(1), no RAM per block
 
     def __post_init__(self) -> None:
         TierConfig.__post_init__(self)

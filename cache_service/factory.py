@@ -76,7 +76,8 @@ def open_store(cfg: Config) -> TieredStore:
         kinds.remove("hbm")  # no device: the host tier is the top
     sections = [getattr(cfg.tiers, k) for k in kinds]
     tiers = [make_tier(k, c) for k, c in zip(kinds, sections)]
-    policies = [make_policy(c.policy, _capacity_blocks(t)) for t, c in zip(tiers, sections)]
+    policies = [make_policy(c.policy, _capacity_blocks(t), key=f"tiers.{k}.policy", source=t)
+                for k, t, c in zip(kinds, tiers, sections)]
     directory = open_directory(cfg) if cfg.directory is not None else None
     return TieredStore(tiers, policies, [c.write for c in sections], cfg.store, directory=directory,
                        journals=open_journals(cfg))

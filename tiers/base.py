@@ -11,12 +11,12 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 from tiers.counters import Counters
-from tiers.types import BlockHash, CapacityError
+from tiers.types import BlockHash, CapacityError, TierKVError
 
 
 @dataclass(slots=True)
@@ -46,10 +46,12 @@ class Tier(ABC):
     ``rechecks`` marks a tier whose stored copies can be damaged while it
     runs or sleeps (files): the store has it `recheck` a copy it holds when
     the same block is stored again, since a block recomputed by an engine
-    while a copy exists may mean that copy is bad.
+    while a copy exists may mean that copy is bad. ``keeps_recency`` marks a
+    tier that records its blocks' last access itself and answers `oldest`.
     """
 
     name: str = "tier"
+    keeps_recency: bool = False
     verify_payload: bool = True
     remote: bool = False
     rechecks: bool = False
@@ -97,6 +99,12 @@ class Tier(ABC):
         """Bytes of capacity an object of `nbytes` would consume here."""
         return nbytes
 
+    def oldest(self, n: int, draws: int, skip: Callable[[BlockHash], bool] = lambda h: False) -> list[BlockHash]:
+        """Up to n held blocks not in `skip`, least recently used first (a
+        tier that `keeps_recency` finds them in its own records, exactly or
+        among `draws` random ones; the store's "sampled" policy asks)."""
+        raise TierKVError(f"the {self.name} tier keeps no access times")
+
     def note_namespace(self, fingerprint: bytes) -> None:
         """The store is about to load blocks of this namespace (a tier whose
         keys include it, like S3's, uses the hint to find blocks it never saw)."""
@@ -118,7 +126,7 @@ class Tier(ABC):
 
 class ByteBudget:
     """Capacity in bytes for tiers whose objects each take their own size
-    (disk, S3). The tier provides `_lock`, `_index` (held hashes), `_used`,
+    (disk, S3). The tier provides `_lock`, `_index` (held hashes) or `_present`, `_used`,
     `_reserved` (bytes of puts in progress) and `_check_open()`."""
 
     def footprint(self, nbytes: int) -> int:
@@ -130,6 +138,11 @@ class ByteBudget:
         with self._lock:
             return max(0, self.capacity_bytes - self._used - self._reserved)
 
+    def _present(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Whether each block is held now (a tier without an `_index` overrides this)."""
+        with self._lock:
+            return [h in self._index for h in hashes]
+
     def _admit(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[int]:
         """Indices of the objects to write now: new, first of their hash in
         the batch, and within capacity; their bytes are reserved (the caller
@@ -140,11 +153,12 @@ class ByteBudget:
                 "objects are 1-D contiguous uint8 tensors"
             self.footprint(obj.numel())
         todo: list[int] = []
+        held = self._present(hashes)  # racy, and so are puts: the tier's commit checks again
         with self._lock:
             self._check_open()
             seen: set[BlockHash] = set()
             for i, (h, obj) in enumerate(zip(hashes, objs)):
-                if h in seen or h in self._index:
+                if h in seen or held[i]:
                     continue
                 seen.add(h)
                 if self._used + self._reserved + obj.numel() <= self.capacity_bytes:

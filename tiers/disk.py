@@ -11,58 +11,62 @@ Layout under `root`:
 Crash safety: a put writes a temp file in the final directory, fsyncs it,
 renames it over the final name and fsyncs the directory; only then does it
 commit the index entry. So after any crash every indexed file is complete,
-and whatever is on disk but not indexed is garbage that opening removes.
-Reads check size and checksum against the index anyway (bit rot, outside
-writers): a mismatch is a miss and the file is quarantined. A damaged index
-heals (tiers/disk_index.py): it is set aside and rebuilt from the data files
-that the owner's `check` finds whole (the store passes one that reads each
+and whatever is on disk but not indexed is garbage. Reads check size and
+checksum against the index anyway (bit rot, outside writers): a mismatch is
+a miss and the file is quarantined. A damaged index heals
+(tiers/disk_index.py): it is set aside and rebuilt from the data files that
+the owner's `check` finds whole (the store passes one that reads each
 object's own header and checksum), so one damaged file never leaves the
 engine without its cache; a missing LOCK file is simply created again.
 
-An in-memory mirror of the index answers lookups; last-access times are
-updated there and reach lmdb with the next write transaction (put, delete,
-quarantine, close), so a read never waits for a commit.
+At scale: the index is the only record of what is held. Opening reads its
+meta record, not every entry, so a tier of millions of blocks serves at
+once and keeps no memory per block. Lookups and reads are lmdb reads; the
+access times reads give are kept in memory and reach lmdb with the next
+write transaction (put, delete, quarantine, close, or once
+`PENDING_ATIMES` have gathered), so a read never waits for a commit.
+`oldest` finds eviction candidates among them (the store's "sampled"
+policy): exactly while the tier holds up to `EXACT_LRU` blocks, else the
+oldest of random records, as Redis samples its keys. After opening, a
+background sweep (`swept` is set when it is done) removes data files the
+index does not know (a crash between a rename and its commit, temp files of
+interrupted puts) and quarantines records whose file is missing or has the
+wrong size (damage from outside, which a read meets first anyway, as a miss).
 """
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import os
-import struct
+import random
 import threading
 import time
 from contextlib import suppress
 from itertools import count
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
+import lmdb
 import torch
 import xxhash
 
 from tiers.arena import Arena
 from tiers.base import ByteBudget, Tier
-from tiers.disk_index import DiskIndex
-from tiers.disk_io import buffers, fsync_dir, lock_root, parse_name, readers, unlink_quiet
+from tiers.disk_index import RECORD, DiskIndex
+from tiers.disk_io import (buffers, fsync_dir, lock_root, parse_name, read_file, readers, unlink_quiet,
+                           whole_files, write_file)
+from tiers.disk_sweep import sweep
 from tiers.types import HASH_BYTES, BlockHash, TierKVError, TierUnavailableError
 
 log = logging.getLogger(__name__)
 
-_ENTRY = struct.Struct("<QQQ")  # file size, xxh3_64 of the file bytes, last access (ns since epoch)
 _TMP_PREFIX = ".tmp-"
+PENDING_ATIMES = 16384  # access times kept in memory before a read writes them to the index
+EXACT_LRU = 4096  # up to this many blocks, `oldest` reads every record
 Check = Callable[[BlockHash, memoryview], bool]  # whether a data file is a whole object of that block
-
-
-class _Entry:
-    """One indexed file. Identity matters: a reader that raced a delete or a
-    re-put sees a different object and must not quarantine the new file."""
-
-    __slots__ = ("size", "csum", "atime")
-
-    def __init__(self, size: int, csum: int, atime: int) -> None:
-        self.size, self.csum, self.atime = size, csum, atime
-
-    def pack(self) -> bytes:
-        return _ENTRY.pack(self.size, self.csum, self.atime)
+Entry = tuple[int, int, int]  # an unpacked index record
+T = TypeVar("T")
 
 
 class DiskTier(ByteBudget, Tier):
@@ -76,6 +80,7 @@ class DiskTier(ByteBudget, Tier):
     name = "disk"
     verify_payload = False  # sizes and checksums are verified on every read
     rechecks = True  # files can be damaged under the tier
+    keeps_recency = True
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, fsync: bool = True,
                  map_size: int = 1 << 34, check: Check | None = None) -> None:
@@ -88,22 +93,24 @@ class DiskTier(ByteBudget, Tier):
         self._make_dirs()
         self._lock_fd = lock_root(self.root)
         try:
-            self._db = DiskIndex(self.root / "index.lmdb", map_size, fsync, HASH_BYTES, _ENTRY.size)
+            self.index = DiskIndex(self.root / "index.lmdb", map_size, fsync, HASH_BYTES, RECORD.size)
         except TierUnavailableError:
             os.close(self._lock_fd)
             raise
-        self._lock = threading.Lock()  # guards the mirror, reservations and the clock
-        self._commit_lock = threading.Lock()  # serializes index writes and renames/unlinks in data/
-        self._index: dict[BlockHash, _Entry] = {}
-        self._dirty: set[BlockHash] = set()  # atime changed since the last index write
-        self._used = 0
-        self._reserved = 0  # bytes of puts in flight
-        self._clock = 0
+        self._lock = threading.Lock()  # guards the counters, reservations, pending access times, the clock
+        self.commit_lock = threading.RLock()  # serializes index writes, renames/unlinks in data/, heals
+        self._pending: dict[BlockHash, bytes] = {}  # records whose access time changed since the last index write
+        self._used = self._blocks = self._reserved = self._clock = 0
+        self.temp_mark = f"-{os.urandom(4).hex()}-"  # in this instance's temp file names: the sweep leaves those alone
         self._seq = count()
+        self._rng = random.Random()
         self._arena = Arena()  # read buffers, reused once callers drop what they got
         self._full_logged = -1e9  # last "filesystem full" warning (monotonic s)
-        self._closed = False
-        self._recover()
+        self.closed = False
+        self._open_index()
+        self.swept = threading.Event()
+        self._sweeper = threading.Thread(target=sweep, args=(self,), name="tierkv-disk-sweep", daemon=True)
+        self._sweeper.start()
 
     def _make_dirs(self) -> None:
         self._quarantine_dir.mkdir(parents=True, exist_ok=True)
@@ -112,55 +119,61 @@ class DiskTier(ByteBudget, Tier):
             fsync_dir(self._data)
             fsync_dir(self.root)
 
-    def _recover(self) -> None:
-        """Make disk agree with the index: drop entries without a complete
-        file, remove files and temp files the index does not know. An index
-        set aside as damaged, or empty beside data files (truncated), is
-        rebuilt from the files that pass `check` (none without one)."""
-        raw = self._db.entries
-        entries = {BlockHash(k): _Entry(*_ENTRY.unpack(v)) for k, v in (raw or {}).items()}
-        files = [f for f in os.scandir(self._data) if f.is_file(follow_symlinks=False)]
-        rebuilt = raw is None or (not raw and any(parse_name(f.name) for f in files))
-        kept = self._rebuild(files) if rebuilt else self._match(files, entries)
-        if rebuilt:
-            self._db.write({h: e.pack() for h, e in kept.items()}, [], dict)
-            log.warning("disk tier %s: index rebuilt from %d of %d data files", self.root, len(kept), len(files))
-        dropped = [h for h in entries if h not in kept]
-        if dropped and not rebuilt:
-            log.warning("disk tier %s: dropping %d index entries without a valid file", self.root, len(dropped))
-            self._write_index({}, dropped)
-        self._index = kept
-        self._used = sum(e.size for e in kept.values())
-        self._clock = max((e.atime for e in kept.values()), default=0)
-        self.stats.add(blocks=len(kept), used_bytes=self._used, errors=self._db.healed)
+    def _open_index(self) -> None:
+        """Totals from the meta record; an index that is empty beside data
+        files (new, set aside, truncated) is rebuilt from them, one without
+        a sound meta record recounted."""
+        try:
+            records, (blocks, _) = self.index.records(), self.index.totals()
+            if records == 0 and any(parse_name(f.name) for f in os.scandir(self._data)):
+                self._heal(self.index.generation, None)  # new, set aside or emptied beside data files
+            elif blocks != records:
+                log.warning("disk tier %s: index totals disagree with its %d records; recounting", self.root, records)
+                self.index.recount()
+        except lmdb.Error as e:
+            self._heal(self.index.generation, str(e))
+        self._sync_totals()
+        self.stats.add(errors=self.index.healed)
 
-    @staticmethod
-    def _match(files: list[os.DirEntry], entries: dict[BlockHash, _Entry]) -> dict[BlockHash, _Entry]:
-        """The entries whose file is there with its size; other files removed."""
-        kept = {}
-        for f in files:
-            h = parse_name(f.name)
-            e = entries.get(h) if h is not None else None
-            if e is not None and f.stat().st_size == e.size:
-                kept[h] = e
-            else:
-                unlink_quiet(f.path)
-        return kept
+    def _heal(self, generation: int, problem: str | None) -> None:
+        """Replace the index (damaged as of `generation`; None: empty) with
+        one rebuilt from the data files that `check` finds whole; others are removed."""
+        with self.commit_lock:
+            self._check_open()
+            if self.index.generation != generation:
+                return  # another thread healed it meanwhile
+            kept, found = whole_files(self._data, self._check, skip=self.temp_mark)
+            self.index.replace(problem, kept)
+            with self._lock:
+                self._pending.clear()
+            log.warning("disk tier %s: index rebuilt from %d of %d data files", self.root, len(kept), found)
+        self._sync_totals()
 
-    def _rebuild(self, files: list[os.DirEntry]) -> dict[BlockHash, _Entry]:
-        """Entries for the data files that `check` finds whole; others removed."""
-        kept = {}
-        for f in files:
-            h = parse_name(f.name)
-            try:
-                data = Path(f.path).read_bytes() if h is not None and self._check is not None else b""
-            except OSError:
-                data = b""
-            if data and self._check(h, memoryview(data)):
-                kept[h] = _Entry(len(data), xxhash.xxh3_64_intdigest(data), f.stat().st_mtime_ns)
-            else:
-                unlink_quiet(f.path)
-        return kept
+    def _sync_totals(self) -> None:
+        """Take the counters from the index's totals (after each write)."""
+        blocks, used = self.index.totals()
+        with self._lock:
+            db, du = blocks - self._blocks, used - self._used
+            self._blocks, self._used = blocks, used
+        self.stats.add(blocks=db, used_bytes=du)
+
+    def _reading(self, read: Callable[[DiskIndex], T]) -> T:
+        """`read(index)`, again on the healed index if it met damage."""
+        self._check_open()
+        generation = self.index.generation
+        try:
+            return read(self.index)
+        except lmdb.Error as e:
+            self._heal(generation, str(e))
+            return read(self.index)
+
+    def records_of(self, hashes: Sequence[BlockHash]) -> list[Entry | None]:
+        """The index record of each hash (None: not held)."""
+        raw = self._reading(lambda index: index.get_many(hashes))
+        return [RECORD.unpack(v) if v is not None else None for v in raw]
+
+    def _present(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        return self._reading(lambda index: index.has_many(hashes))
 
     def path_of(self, h: BlockHash) -> Path:
         """Where the data file of `h` lives (whether or not it exists)."""
@@ -176,122 +189,96 @@ class DiskTier(ByteBudget, Tier):
                 self._reserved -= sum(objs[i].numel() for i in todo)
         return self.contains_many(hashes)
 
-    def _write_temp(self, h: BlockHash, obj: torch.Tensor) -> tuple[BlockHash, Path, _Entry] | None:
-        """Write `obj` durably under a temp name next to its final path; None
-        if that fails (ENOSPC is a full disk, anything else is also an error)."""
+    def _write_temp(self, h: BlockHash, obj: torch.Tensor) -> tuple[BlockHash, Path, int, int] | None:
+        """Write `obj` durably under a temp name next to its final path:
+        (hash, temp path, size, checksum), or None if that fails (ENOSPC is a
+        full disk, anything else is also an error)."""
         data = memoryview(obj.cpu().numpy())
-        tmp = self.path_of(h).with_name(f"{_TMP_PREFIX}{h.hex()}-{os.getpid()}-{next(self._seq)}")
+        tmp = self.path_of(h).with_name(f"{_TMP_PREFIX}{h.hex()}{self.temp_mark}{next(self._seq)}")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                view = data
-                while view:
-                    view = view[os.write(fd, view):]
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_file(tmp, data, self.fsync)
         except OSError as e:
-            unlink_quiet(tmp)
-            if e.errno == errno.ENOSPC:  # a capacity condition, not an error: say so, but not per block
-                now = time.monotonic()
-                if now - self._full_logged >= 10.0:
-                    self._full_logged = now
-                    log.warning("disk tier %s: filesystem full; writes dropped until space frees up", self.root)
-            else:
-                log.warning("disk tier %s: writing %s failed: %s", self.root, tmp, e)
-                self.stats.add(errors=1)
+            self._write_failed(tmp, e)
             return None
-        return h, tmp, _Entry(len(data), xxhash.xxh3_64_intdigest(data), 0)
+        return h, tmp, len(data), xxhash.xxh3_64_intdigest(data)
 
-    def _commit(self, written: list[tuple[BlockHash, Path, _Entry]]) -> None:
+    def _write_failed(self, tmp: Path, e: OSError) -> None:
+        if e.errno == errno.ENOSPC:  # a capacity condition, not an error: say so, but not per block
+            now = time.monotonic()
+            if now - self._full_logged >= 10.0:
+                self._full_logged = now
+                log.warning("disk tier %s: filesystem full; writes dropped until space frees up", self.root)
+        else:
+            log.warning("disk tier %s: writing %s failed: %s", self.root, tmp, e)
+            self.stats.add(errors=1)
+
+    def _commit(self, written: list[tuple[BlockHash, Path, int, int]]) -> None:
         """Rename temp files into place, then index them; on failure remove
-        them all (a crash in between leaves orphans, which open removes)."""
+        them all (a crash in between leaves orphans, which the sweep removes)."""
         if not written:
             return
-        with self._commit_lock:
-            with self._lock:  # a racing put of the same hash may have won already
-                fresh = [w for w in written if w[0] not in self._index]
+        with self.commit_lock:
+            held = self._present([w[0] for w in written])  # a racing put of the same hash may have won already
+            fresh = [w for w, ok in zip(written, held) if not ok]
             try:
-                for h, tmp, _ in fresh:
+                for h, tmp, _, _ in fresh:
                     os.rename(tmp, self.path_of(h))
-                if self.fsync:
-                    for d in {self.path_of(h).parent for h, _, _ in fresh}:
-                        fsync_dir(d)
+                if self.fsync and fresh:
+                    fsync_dir(self._data)
                 with self._lock:
-                    for _, _, e in fresh:
-                        e.atime = self._tick()
-                ok = self._write_index({h: e for h, _, e in fresh}, [])
+                    puts = {h: RECORD.pack(size, csum, self._tick()) for h, _, size, csum in fresh}
+                ok = self._write_index(puts, [])
             except OSError as e:
                 log.warning("disk tier %s: publishing %d files failed: %s", self.root, len(fresh), e)
                 ok = False
             finally:
-                for _, tmp, _ in written:  # beaten by a racing put, or never renamed
+                for _, tmp, _, _ in written:  # beaten by a racing put, or never renamed
                     unlink_quiet(tmp)
             if not ok:
                 self.stats.add(errors=1)
-                for h, _, _ in fresh:
+                for h, _, _, _ in fresh:
                     unlink_quiet(self.path_of(h))
                 return
-            nbytes = sum(e.size for _, _, e in fresh)
-            with self._lock:
-                self._index.update((h, e) for h, _, e in fresh)
-                self._used += nbytes
-            self.stats.add(blocks=len(fresh), used_bytes=nbytes, bytes_in=nbytes)
+        self.stats.add(bytes_in=sum(w[2] for w in fresh))
 
     def delete_many(self, hashes: Iterable[BlockHash]) -> int:
-        with self._commit_lock:
-            with self._lock:
-                self._check_open()
-                gone = self._unindex({h for h in hashes if h in self._index})
+        hashes = list(dict.fromkeys(hashes))
+        with self.commit_lock:
+            gone = [h for h, e in zip(hashes, self.records_of(hashes)) if e is not None]
             if not gone:
                 return 0
-            # Index first: a crash before the unlinks leaves orphans, which open removes.
+            # Index first: a crash before the unlinks leaves orphans, which the sweep removes.
             if not self._write_index({}, gone):
                 self.stats.add(errors=1)
             for h in gone:
                 unlink_quiet(self.path_of(h))
         return len(gone)
 
-    def _unindex(self, hashes: Iterable[BlockHash]) -> list[BlockHash]:
-        """Forget held blocks in memory (caller holds the lock); returns them."""
-        gone = [(h, self._index.pop(h)) for h in hashes]
-        self._dirty.difference_update(h for h, _ in gone)
-        nbytes = sum(e.size for _, e in gone)
-        self._used -= nbytes
-        self.stats.add(blocks=-len(gone), used_bytes=-nbytes)
-        return [h for h, _ in gone]
-
-    def _write_index(self, puts: dict[BlockHash, _Entry], dels: list[BlockHash]) -> bool:
-        """One lmdb write transaction: `puts`, `dels`, and every pending
-        last-access update. Caller holds the commit lock (or is opening)."""
+    def _write_index(self, puts: dict[BlockHash, bytes], dels: list[BlockHash]) -> bool:
+        """One index write transaction (caller holds the commit lock): `puts`,
+        `dels` and the access times gathered since the last one; a damaged
+        index is healed and the write applied to the new one."""
         with self._lock:
-            touched = {h: self._index[h].pack() for h in self._dirty if h in self._index}
-        ok = self._db.write({h: e.pack() for h, e in puts.items()} | touched, dels, self._mirror)
-        if not ok:
-            return False
-        with self._lock:  # an access since the snapshot stays dirty
-            self._dirty.difference_update(
-                h for h, packed in touched.items() if h in self._index and self._index[h].pack() == packed)
-        return True
-
-    def _mirror(self) -> dict[bytes, bytes]:
-        """Every held entry, packed: what a rebuilt index is written from."""
-        with self._lock:
-            return {h: e.pack() for h, e in self._index.items()}
+            pending, self._pending = self._pending, {}
+        generation = self.index.generation
+        try:
+            ok = self.index.write(puts, dels, pending)
+        except lmdb.Error as e:
+            self._heal(generation, str(e))
+            ok = self.index.write(puts, dels)
+        self._sync_totals()
+        return ok
 
     def get_many(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Verified copies of the files; a damaged or missing file is a miss
         and is quarantined."""
-        with self._lock:
-            self._check_open()
-            entries = [self._index.get(h) for h in hashes]
-            for h, e in zip(hashes, entries):
-                if e is not None:
-                    e.atime = self._tick()
-                    self._dirty.add(h)
+        entries = self.records_of(hashes)
         found = [(h, e) for h, e in zip(hashes, entries) if e is not None]
-        bufs = buffers(self._arena, [e.size for _, e in found])
+        with self._lock:
+            for h, e in found:
+                self._pending[h] = RECORD.pack(e[0], e[1], self._tick())
+            flush = len(self._pending) >= PENDING_ATIMES
+        bufs = buffers(self._arena, [e[0] for _, e in found])
         read = iter(readers().map(self._read, *zip(*found), bufs) if len(found) > 1 else
                     [self._read(h, e, b) for (h, e), b in zip(found, bufs)])
         out: list[torch.Tensor | None] = []
@@ -303,58 +290,52 @@ class DiskTier(ByteBudget, Tier):
             out.append(obj)
         hits = [o.numel() for o in out if o is not None]
         self.stats.add(hits=len(hits), misses=len(out) - len(hits), bytes_out=sum(hits), corrupt=corrupt)
+        if flush and self.commit_lock.acquire(blocking=False):  # never waits behind a commit
+            try:
+                self._write_index({}, [])
+            finally:
+                self.commit_lock.release()
         return out
 
-    def _read(self, h: BlockHash, e: _Entry, buf: torch.Tensor) -> torch.Tensor | None:
-        """The file's bytes, read into `buf` (e.size bytes), if its size and
-        checksum match `e`, else None."""
-        view = memoryview(buf.numpy())
+    def _read(self, h: BlockHash, e: Entry, buf: torch.Tensor) -> torch.Tensor | None:
+        """The file's bytes, read into `buf` (e[0] bytes), if its size and
+        checksum match record `e`, else None."""
         try:
-            with open(self.path_of(h), "rb", buffering=0) as f:
-                if os.fstat(f.fileno()).st_size != e.size:
-                    return None
-                n = 0
-                while n < e.size:
-                    got = f.readinto(view[n:])
-                    if not got:
-                        return None
-                    n += got
-        except FileNotFoundError:
-            return None
+            return buf if read_file(self.path_of(h), e[0], e[1], buf) else None
         except OSError as err:
             log.warning("disk tier %s: reading %s failed: %s", self.root, h.hex(), err)
             self.stats.add(errors=1)
             return None
-        return buf if xxhash.xxh3_64_intdigest(view) == e.csum else None
 
     def recheck(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Read held files back; those that fail their checks are quarantined
         and returned (the caller writes them again)."""
-        with self._lock:
-            found = [(h, self._index[h]) for h in hashes if h in self._index]
-        bad = []
-        for h, e in found:
-            if self._read(h, e, torch.empty(e.size, dtype=torch.uint8)) is None and self._set_aside(h, e):
-                bad.append(h)
+        found = [(h, e) for h, e in zip(hashes, self.records_of(hashes)) if e is not None]
+        bad = [h for h, e in found
+               if self._read(h, e, torch.empty(e[0], dtype=torch.uint8)) is None and self._set_aside(h, e)]
         self.stats.add(corrupt=len(bad))
         return bad
 
     def quarantine(self, hashes: Iterable[BlockHash]) -> None:
         """Move blocks that failed the store's checks into quarantine/. The
         store counts those; `stats.corrupt` counts this tier's own failures."""
-        with self._lock:
-            found = [(h, self._index[h]) for h in hashes if h in self._index]
-        for h, e in found:
-            self._set_aside(h, e)
+        hashes = list(hashes)
+        for h, e in zip(hashes, self.records_of(hashes)):
+            if e is not None:
+                self._set_aside(h, e, force=True)
 
-    def _set_aside(self, h: BlockHash, e: _Entry) -> bool:
-        """Unindex `h` and move its file to quarantine/, unless a delete or a
-        re-put replaced entry `e` meanwhile (then it was a plain miss)."""
-        with self._commit_lock:
-            with self._lock:
-                if self._closed or self._index.get(h) is not e:
-                    return False
-                self._unindex([h])
+    def _set_aside(self, h: BlockHash, e: Entry, force: bool = False) -> bool:
+        """Unindex `h` and move its file to quarantine/, unless record `e` was
+        deleted or replaced meanwhile, or (unless `force`) the file now reads
+        sound: then a reader raced a delete or a re-put, a plain miss."""
+        with self.commit_lock:
+            if self.closed:
+                return False
+            now = self.records_of([h])[0]
+            if now is None or now[:2] != e[:2]:
+                return False
+            if not force and self._read(h, now, torch.empty(now[0], dtype=torch.uint8)) is not None:
+                return False
             log.warning("disk tier %s: block %s failed verification, quarantined", self.root, h.hex())
             if not self._write_index({}, [h]):
                 self.stats.add(errors=1)
@@ -363,31 +344,55 @@ class DiskTier(ByteBudget, Tier):
         return True
 
     def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        return self._present(hashes)
+
+    def _records(self) -> list[tuple[BlockHash, int]]:
+        """(hash, last access) of every record, pending access times applied."""
+        out, after = [], b""
+        while chunk := self._reading(lambda index: index.scan(after)):
+            out.extend((BlockHash(k), RECORD.unpack(v)[2]) for k, v in chunk)
+            after = chunk[-1][0]
+        return self._with_pending(out)
+
+    def _with_pending(self, recs: Iterable[tuple[BlockHash, int]]) -> list[tuple[BlockHash, int]]:
         with self._lock:
-            return [h in self._index for h in hashes]
+            pending = self._pending
+            return [(h, RECORD.unpack(pending[h])[2] if h in pending else t) for h, t in recs]
 
     def keys(self) -> list[BlockHash]:
-        """Held hashes, least recently used (read or written) first."""
-        with self._lock:
-            return sorted(self._index, key=lambda h: self._index[h].atime)
+        """Held hashes, least recently used (read or written) first (reads every record)."""
+        return [h for h, _ in sorted(self._records(), key=lambda r: r[1])]
+
+    def oldest(self, n: int, draws: int, skip: Callable[[BlockHash], bool] = lambda h: False) -> list[BlockHash]:
+        """Up to n held blocks not in `skip`, least recently used first:
+        exactly so while the tier holds at most EXACT_LRU blocks, else the
+        oldest of `draws` records drawn at random."""
+        if self._blocks <= EXACT_LRU:
+            recs = self._records()
+        else:
+            draw = [self._rng.randbytes(HASH_BYTES) for _ in range(draws)]
+            sample = self._reading(lambda index: index.sample(draw))
+            recs = self._with_pending((BlockHash(k), RECORD.unpack(v)[2]) for k, v in sample.items())
+        return [h for h, _ in heapq.nsmallest(n, ((h, t) for h, t in recs if not skip(h)), key=lambda r: r[1])]
 
     def close(self) -> None:
-        """Flush last-access times, close the index and release the root."""
-        with self._commit_lock:
-            if self._closed:
+        """Flush last-access times, stop the sweep, close the index and release the root."""
+        with self.commit_lock:
+            if self.closed:
                 return
-            if self._dirty:
+            if self._pending:
                 self._write_index({}, [])
-            with self._lock:
-                self._closed = True
-            self._db.close()
+            self.closed = True
+        self._sweeper.join()
+        with self.commit_lock:
+            self.index.close()
             os.close(self._lock_fd)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TierKVError(f"disk tier {self.root} is closed")
 
     def _tick(self) -> int:
         """A strictly increasing wall-clock timestamp (caller holds the lock)."""
         self._clock = max(time.time_ns(), self._clock + 1)
         return self._clock
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierKVError(f"disk tier {self.root} is closed")

@@ -1,5 +1,10 @@
 """The disk tier's lmdb index (tiers/disk.py), and how it heals.
 
+The index is the only record of what the tier holds: nothing is read into
+memory at open (millions of records open in O(1)); reads are lmdb lookups,
+and a meta record (`META_KEY`, not a hash's length) keeps the counts the
+tier needs at once (blocks, bytes, the last access time given out).
+
 A damaged index must not take the cache down with it, nor the process: lmdb
 maps the file, so a data.mdb shorter than its meta page says is a SIGBUS at
 the first read past the end, and random bytes in a page surface as
@@ -12,13 +17,12 @@ MDB_CORRUPTED from any later cursor or write. So:
   the file's end would be a SIGBUS; within the extension it reads zeros;
 - records are read as views and each must have the owner's key and value
   lengths before it is copied (a damaged length is damage, not an allocation);
-- opening it reads every entry (the tier mirrors them in memory), so
-  damage in any page in use is met at open, as an lmdb error;
-- either way the index is moved aside (``index.lmdb.damaged-<ns>``, the
-  last one kept for forensics) and a fresh one opened: `entries` is then
-  None and the tier rebuilds it from its data files' own headers;
-- a write that meets damage later (a page no read touched) rewrites a fresh
-  index from the tier's mirror, then applies the write.
+- damage met at open (the meta pages, the meta record) or by any later read
+  or write (a page first touched then) moves the index aside
+  (``index.lmdb.damaged-<ns>``, the last one kept for forensics) and opens a
+  fresh one, filled from what the owner's `rebuild` finds in its data files.
+  The old environment is left mapped, not closed: a reader in another
+  thread may still be in it.
 
 Each heal is logged once and counted in `healed`.
 """
@@ -30,7 +34,6 @@ import shutil
 import struct
 import time
 from pathlib import Path
-from typing import Callable
 
 import lmdb
 
@@ -46,7 +49,14 @@ _META_MAGIC, _DATA_VERSION = 0xBEEFC0DE, 1
 _DAMAGED = "damaged-"
 _LONGEST_RECORD = (1 << 32) + (1 << 20)  # what a damaged 32-bit record length can reach past its page
 
-Mirror = Callable[[], dict[bytes, bytes]]
+META_KEY = b"tierkv:meta"  # (records, bytes): not a hash's length, so never a block's key
+_TOTALS = struct.Struct("<QQ")
+RECORD = struct.Struct("<QQQ")  # a hash's record: file size, xxh3_64 of the file bytes, last access (ns since epoch)
+
+
+def _size(record: bytes) -> int:
+    """A record's object size (RECORD's first field; its checksum follows)."""
+    return int.from_bytes(record[:8], "little")
 
 
 def vet(path: Path) -> str | None:
@@ -102,38 +112,26 @@ def _meta(head: bytes, which: int) -> tuple[int, int, int] | None:
 
 
 class DiskIndex:
-    """hash -> packed entry in lmdb at `path`; see the module docstring.
-
-    `entries`: what the index held at open, or None when it was damaged and
-    set aside (the owner rebuilds, then `write`s what it found). Every
-    record has `key_len` and `value_len` bytes."""
+    """hash -> packed record in lmdb at `path`, plus one meta record; see
+    the module docstring. Every hash record has `key_len` and `value_len`
+    bytes. Reads and writes raise lmdb.Error on damage: the owner then
+    `replace`s the index (it alone knows what to fill it with)."""
 
     def __init__(self, path: Path, map_size: int, sync: bool, key_len: int, value_len: int) -> None:
         self.path, self._sync, self._lens = path, sync, (key_len, value_len)
         self._map_size = max(map_size, 2 * _LONGEST_RECORD)  # the extension is mapped too
         self.healed = 0
-        self.entries: dict[bytes, bytes] | None = None
+        self.generation = 0  # bumped by each `replace`
+        self._old: list[lmdb.Environment] = []  # set aside, still mapped for readers in them
         problem = vet(path)
         if problem is None:
             try:
                 self._env = self._open()
-                self.entries = self._read_all()
                 return
-            except (lmdb.Error, TierUnavailableError) as e:
-                problem = str(e)
-                self._close_quietly()
+            except TierUnavailableError as e:
+                problem = str(e.__cause__ or e)
         self._set_aside(problem)
         self._env = self._open()
-
-    def _read_all(self) -> dict[bytes, bytes]:
-        """Every record, after checking its lengths (lmdb.Error if one is wrong)."""
-        out = {}
-        with self._env.begin(buffers=True) as txn:
-            for k, v in txn.cursor():
-                if (len(k), len(v)) != self._lens:
-                    raise lmdb.CorruptedError(f"a record of {len(k)}+{len(v)} bytes, not {self._lens}")
-                out[bytes(k)] = bytes(v)
-        return out
 
     def _open(self) -> lmdb.Environment:
         try:
@@ -142,10 +140,115 @@ class DiskIndex:
         except lmdb.Error as e:
             raise TierUnavailableError(f"disk index {self.path}: cannot open: {e}") from e
 
-    def _close_quietly(self) -> None:
-        env, self._env = getattr(self, "_env", None), None
-        if env is not None:
-            env.close()
+    def _record(self, k: bytes, v: bytes | None) -> bytes | None:
+        if v is not None and (len(k), len(v)) != self._lens:
+            raise lmdb.CorruptedError(f"a record of {len(k)}+{len(v)} bytes, not {self._lens}")
+        return v
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """The record of each key (None: not held), in one read transaction."""
+        with self._env.begin() as txn:
+            return [self._record(k, txn.get(k)) for k in keys]
+
+    def has_many(self, keys: list[bytes]) -> list[bool]:
+        """Whether each key has a record (lookups: nothing copied or checked)."""
+        with self._env.begin() as txn:
+            get = txn.get
+            return [get(k) is not None for k in keys]
+
+    def meta(self) -> bytes | None:
+        """The meta record, if one was written."""
+        with self._env.begin() as txn:
+            return txn.get(META_KEY)
+
+    def records(self) -> int:
+        """How many hash records the index holds (lmdb keeps the count)."""
+        return self._env.stat()["entries"] - (self.meta() is not None)
+
+    def scan(self, after: bytes = b"", n: int = 8192) -> list[tuple[bytes, bytes]]:
+        """Up to n hash records with keys past `after`, in key order (one
+        short read transaction per call, so a long walk pins no old pages)."""
+        out: list[tuple[bytes, bytes]] = []
+        with self._env.begin() as txn:
+            cur = txn.cursor()
+            more = cur.set_range(after)
+            if more and cur.key() == after:
+                more = cur.next()
+            while more and len(out) < n:
+                k = cur.key()
+                if len(k) == self._lens[0]:
+                    out.append((k, self._record(k, cur.value())))
+                more = cur.next()
+        return out
+
+    def sample(self, draws: list[bytes]) -> dict[bytes, bytes]:
+        """The record at or after each random key of `draws` (wrapping round),
+        distinct ones only: hashes are uniform, so these are a fair sample."""
+        out: dict[bytes, bytes] = {}
+        with self._env.begin() as txn:
+            cur = txn.cursor()
+            for d in draws:
+                ok = cur.set_range(d) or cur.first()
+                if ok and len(cur.key()) != self._lens[0]:  # the meta record: the next one
+                    ok = cur.next() or cur.first()
+                if ok and len(cur.key()) == self._lens[0]:
+                    out[cur.key()] = self._record(cur.key(), cur.value())
+        return out
+
+    def totals(self) -> tuple[int, int]:
+        """(hash records, bytes of the objects they describe), from the meta record."""
+        meta = self.meta()
+        return _TOTALS.unpack(meta) if meta is not None and len(meta) == _TOTALS.size else (0, 0)
+
+    def recount(self) -> tuple[int, int]:
+        """Write the meta record again from every record (an index written
+        before there was one, or one whose count disagrees with lmdb's)."""
+        blocks = nbytes = 0
+        after = b""
+        while chunk := self.scan(after):
+            blocks, nbytes, after = blocks + len(chunk), nbytes + sum(_size(v) for _, v in chunk), chunk[-1][0]
+        with self._env.begin(write=True) as txn:
+            txn.put(META_KEY, _TOTALS.pack(blocks, nbytes))
+        return blocks, nbytes
+
+    def write(self, puts: dict[bytes, bytes], dels: list[bytes], only_if: dict[bytes, bytes] | None = None) -> bool:
+        """One write transaction: `puts`, `dels`, and each of `only_if` put
+        only where the record held now has the same size and checksum (an
+        access time for a record no one replaced meanwhile); the meta
+        record's totals follow. False when the map is full; lmdb.Error on damage."""
+        try:
+            with self._env.begin(write=True) as txn:
+                blocks, nbytes = _TOTALS.unpack(txn.get(META_KEY, _TOTALS.pack(0, 0)))
+                for k, v in puts.items():
+                    old = txn.get(k)
+                    txn.put(k, v)
+                    blocks, nbytes = blocks + (old is None), nbytes + _size(v) - (_size(old) if old else 0)
+                for k in dels:
+                    old = txn.pop(k)
+                    if old is not None:
+                        blocks, nbytes = blocks - 1, nbytes - _size(old)
+                for k, v in (only_if or {}).items():
+                    now = txn.get(k)
+                    if now is not None and now[:16] == v[:16]:
+                        txn.put(k, v)
+                txn.put(META_KEY, _TOTALS.pack(blocks, nbytes))
+            return True
+        except lmdb.MapFullError as e:
+            log.warning("disk index %s: full: %s", self.path, e)
+            return False
+
+    def replace(self, problem: str | None, records: dict[bytes, bytes]) -> None:
+        """Set the damaged index aside and write a fresh one of `records`
+        (`problem` None: the index is empty, not damaged; it is filled)."""
+        if problem is not None:
+            self._old.append(self._env)
+            self._set_aside(problem)
+            self._env = self._open()
+        self.generation += 1
+        with self._env.begin(write=True) as txn:
+            for k, v in records.items():
+                txn.put(k, v)
+            txn.put(META_KEY, _TOTALS.pack(len(records), sum(_size(v) for v in records.values())))
 
     def _set_aside(self, problem: str) -> None:
         """Move the damaged index out of the way (keeping the last one)."""
@@ -160,36 +263,7 @@ class DiskIndex:
         self.healed += 1
         log.warning("disk index %s is damaged (%s): moved to %s; rebuilding it", self.path, problem, aside.name)
 
-    def write(self, puts: dict[bytes, bytes], dels: list[bytes], mirror: Mirror) -> bool:
-        """One write transaction; on damage met now, a fresh index written
-        from `mirror()` (every entry the owner holds) and then this write.
-        False when the write failed (the map is full, the disk refused)."""
-        try:
-            self._apply(puts, dels)
-            return True
-        except lmdb.MapFullError as e:
-            log.warning("disk index %s: full: %s", self.path, e)
-            return False
-        except (lmdb.Error, TierUnavailableError) as e:
-            problem = str(e)
-        self._close_quietly()
-        self._set_aside(problem)
-        try:
-            self._env = self._open()
-            self._apply(mirror() | puts, dels)
-            return True
-        except (lmdb.Error, TierUnavailableError) as e:
-            log.warning("disk index %s: rebuilding failed: %s", self.path, e)
-            return False
-
-    def _apply(self, puts: dict[bytes, bytes], dels: list[bytes]) -> None:
-        if self._env is None:  # a rebuild failed: try again
-            self._env = self._open()
-        with self._env.begin(write=True) as txn:
-            for k, v in puts.items():
-                txn.put(k, v)
-            for k in dels:
-                txn.delete(k)
-
     def close(self) -> None:
-        self._close_quietly()
+        for env in [*self._old, self._env]:
+            env.close()
+        self._old = []

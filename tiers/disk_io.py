@@ -1,5 +1,6 @@
 """File and thread helpers of the disk tier (tiers/disk.py): the shared
-read threads, read buffers, the root's lock, data file names, fsyncs."""
+read threads, read buffers, the root's lock, data file names, durable
+writes, checked reads, fsyncs, and the records of whole data files."""
 from __future__ import annotations
 
 import fcntl
@@ -8,10 +9,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
+from typing import Callable
 
 import torch
+import xxhash
 
 from tiers.arena import Arena
+from tiers.disk_index import RECORD
 from tiers.types import HASH_BYTES, BlockHash, TierUnavailableError
 
 _HEX_DIGITS = "0123456789abcdef"
@@ -74,3 +78,61 @@ def fsync_dir(path: Path) -> None:
 def unlink_quiet(path: str | os.PathLike) -> None:
     with suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def write_file(path: Path, data: memoryview, fsync: bool) -> None:
+    """Write `data` to a new file at `path` (fsynced unless not `fsync`); on
+    any OSError the file is removed and the error raised."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        unlink_quiet(path)
+        raise
+
+
+def read_file(path: Path, size: int, csum: int, buf: torch.Tensor) -> bool:
+    """Read the file at `path` into `buf`: True if it has `size` bytes whose
+    xxh3_64 is `csum`; False for a missing, short or different file."""
+    view = memoryview(buf.numpy())
+    try:
+        with open(path, "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size != size:
+                return False
+            n = 0
+            while n < size:
+                got = f.readinto(view[n:])
+                if not got:
+                    return False
+                n += got
+    except FileNotFoundError:
+        return False
+    return xxhash.xxh3_64_intdigest(view[:size]) == csum
+
+
+def whole_files(data: Path, check: Callable[[BlockHash, memoryview], bool] | None,
+                skip: str) -> tuple[dict[bytes, bytes], int]:
+    """(index records of the files in `data` that `check` finds whole, files
+    looked at); the others are removed. Files whose name holds `skip` are
+    left alone (puts in flight). Without a check no file is trusted."""
+    kept, seen = {}, 0
+    for f in os.scandir(data):
+        if not f.is_file(follow_symlinks=False) or skip in f.name:
+            continue
+        seen += 1
+        h = parse_name(f.name)
+        try:
+            body = Path(f.path).read_bytes() if h is not None and check is not None else b""
+        except OSError:
+            body = b""
+        if body and check(h, memoryview(body)):
+            kept[h] = RECORD.pack(len(body), xxhash.xxh3_64_intdigest(body), f.stat().st_mtime_ns)
+        else:
+            unlink_quiet(f.path)
+    return kept, seen

@@ -79,7 +79,7 @@ class TieredStore:
                                     tick=partial(moves.retry_deferred, i) if i else None)
                          for i, t in enumerate(st.tiers)]
         for pol, tier in zip(st.policies, st.tiers):
-            for h in tier.keys():  # oldest first, so recency survives a restart
+            for h in tier.keys() if pol.rebuilt_from_keys else ():  # oldest first: recency survives a restart
                 pol.insert(h)
         if directory is not None:
             directory.on_register(st.announce)
@@ -87,10 +87,9 @@ class TieredStore:
     # ------------------------------------------------------------------ queries
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         """Length of the longest prefix of `hashes` that some tier fully holds."""
-        held = [False] * len(hashes)
         with self._state.meta:
-            for j, h in enumerate(hashes):
-                held[j] = h in self._state.inflight
+            inflight = self._state.inflight
+            held = [h in inflight for h in hashes] if inflight else [False] * len(hashes)
         for tier in self.tiers:
             todo = [j for j, ok in enumerate(held) if not ok]
             if not todo:

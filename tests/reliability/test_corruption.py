@@ -92,17 +92,19 @@ def test_damaged_disk_files_are_misses(tmp_path):
             paths[h].write_bytes(new)
     # reopened: every damaged block is a miss, every other block byte-exact
     with make_store(root, cpu_blocks=8) as store:
-        # files missing or of the wrong size are dropped at open: the held prefix ends before the first
+        # files missing or of the wrong size are quarantined by the sweep after open: the held prefix ends before the first
+        assert store.tiers[1].swept.wait(60)
         gone = min(hs.index(h) for h, k in plan.items() if k in ("truncate", "delete"))
         assert store.lookup(hs) <= gone
         wrong, undetected = check_loads(store, hs, plan)
         corrupt = store.stats()["disk"]["corrupt"]
     quarantined = len(list((root / "quarantine").iterdir()))
-    at_open = sum(k in ("truncate", "delete") for k in plan.values())  # dropped by the index check at open
+    swept = sum(k in ("truncate", "delete") for k in plan.values())  # found by the sweep's size check
+    deleted = sum(k == "delete" for k in plan.values())  # nothing left to keep aside
     figure("corruption_disk", blocks=len(hs), damaged=len(plan), kinds=len(KINDS), detected=len(plan) - undetected,
-           wrong_served=wrong, dropped_at_open=at_open, quarantined=quarantined)
+           wrong_served=wrong, found_by_sweep=swept, quarantined=quarantined)
     assert wrong == 0 and undetected == 0
-    assert quarantined == corrupt == len(plan) - at_open
+    assert corrupt == len(plan) and quarantined == len(plan) - deleted
 
 
 def s3_tiers(s3_server, bucket: str, prefix: str, **extra) -> dict:

@@ -149,7 +149,7 @@ def test_quarantine_on_the_stores_request(tmp_path):
     reopened.close()
 
 
-def test_open_removes_orphans_and_temp_files(tmp_path):
+def test_the_sweep_after_open_removes_orphans_and_temp_files(tmp_path):
     tier = DiskTier(tmp_path, 8 * MB)
     held, orphan = keys(2)
     tier.put_many([held], [block_for(held)])
@@ -160,21 +160,26 @@ def test_open_removes_orphans_and_temp_files(tmp_path):
     stray_tmp = orphan_path.with_name(f".tmp-{orphan.hex()}-999-0")
     stray_tmp.write_bytes(b"half a block")
     reopened = DiskTier(tmp_path, 8 * MB)
+    # Opening serves at once; the sweep after it removes both.
+    assert reopened.swept.wait(30)
     assert not orphan_path.exists() and not stray_tmp.exists()
     assert reopened.keys() == [held] and reopened.get_many([orphan]) == [None]
     assert torch.equal(reopened.get_many([held])[0], block_for(held))
     reopened.close()
 
 
-def test_open_drops_entries_whose_file_is_missing_or_the_wrong_size(tmp_path):
+def test_the_sweep_drops_entries_whose_file_is_missing_or_the_wrong_size(tmp_path):
     tier = DiskTier(tmp_path, 8 * MB)
     gone, short, fine = keys(3)
     tier.put_many([gone, short, fine], [block_for(h) for h in (gone, short, fine)])
     tier.close()
     os.unlink(tier.path_of(gone))
     os.truncate(tier.path_of(short), 10)
-    # The index is fixed on open, before any read: only the intact block remains.
+    # Before the sweep gets to them, reading them is a miss, never wrong bytes.
     reopened = DiskTier(tmp_path, 8 * MB)
+    assert reopened.get_many([gone, short])[1] is None or not reopened.swept.is_set()
+    # The sweep drops what is left of them: only the intact block remains.
+    assert reopened.swept.wait(30)
     assert reopened.keys() == [fine]
     assert not reopened.path_of(short).exists()
     assert reopened.stats.used_bytes == block_for(fine).numel() == 8 * MB - reopened.free_bytes()
@@ -278,8 +283,9 @@ def test_sigkill_mid_write_never_leaves_a_torn_block(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         assert proc.returncode == -signal.SIGKILL, "writer ended before it was killed"
-        # Reopening cleans up; every indexed block reads back byte-exact and none is corrupt.
+        # Reopening serves at once and its sweep cleans up; every indexed block reads back byte-exact.
         tier = DiskTier(tmp_path, capacity)
+        assert tier.swept.wait(30)
         assert temp_files(tmp_path) == []
         held = tier.keys()
         got = tier.get_many(held)

@@ -43,6 +43,9 @@ class EvictionPolicy(ABC):
     """
 
     name: ClassVar[str]
+    # True: the store inserts every key a tier holds at open (the policy mirrors
+    # them); False: the policy reads the tier's own records (built with source=tier)
+    rebuilt_from_keys: ClassVar[bool] = True
 
     def __init__(self, capacity_blocks: int) -> None:
         if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
