@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cache_service.blocks.keys import chain_hashes  # noqa: E402
 from tiers.cpu import CpuTier  # noqa: E402
 from tiers.disk import DiskTier  # noqa: E402
-from tiers.disk_io import READ_THREADS  # noqa: E402
+from tiers.disk_io import READ_THREADS, SYNC_THREADS  # noqa: E402
 
 # bytes per 16-token block: SmolLM2-135M bf16 (30 layers, 3 KV heads, dim 64), Llama-3-8B bf16
 SIZES = {"smollm2-135m": 30 * 2 * 16 * 3 * 64 * 2, "llama3-8b": 32 * 2 * 16 * 8 * 128 * 2}
@@ -93,10 +93,15 @@ def _drop_cache(paths) -> None:
 
 
 def _raw_write(paths, objs) -> None:
+    """The files written, then fsynced by as many threads as the tier syncs
+    with (tiers/disk_io.py): the device's limit at that concurrency."""
+    fds = []
     for p, o in zip(paths, objs):
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(fd, memoryview(o.numpy()))
-        os.fsync(fd)
+        fds.append(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+        os.write(fds[-1], memoryview(o.numpy()))
+    with ThreadPoolExecutor(SYNC_THREADS) as pool:
+        list(pool.map(os.fsync, fds))
+    for fd in fds:
         os.close(fd)
 
 

@@ -19,15 +19,12 @@ the owner's `check` finds whole (the store passes one that reads each
 object's own header and checksum), so one damaged file never leaves the
 engine without its cache; a missing LOCK file is simply created again.
 
-At scale: the index is the only record of what is held. Opening reads its
-meta record, not every entry, so a tier of millions of blocks serves at
-once and keeps no memory per block. Lookups and reads are lmdb reads; the
-access times reads give are kept in memory and reach lmdb with the next
-write transaction (put, delete, quarantine, close, or once
-`PENDING_ATIMES` have gathered), so a read never waits for a commit.
-`oldest` finds eviction candidates among them (the store's "sampled"
-policy): exactly while the tier holds up to `EXACT_LRU` blocks, else the
-oldest of random records, as Redis samples its keys. After opening, a
+At scale: the index is the only record of what is held; opening reads its
+meta record, not every entry. Access times given by reads reach lmdb with
+the next write (tiers/disk_recency.py), and `oldest` finds eviction
+candidates among them (the store's "sampled" policy). Lookups, once the
+sweep has walked the index, are answered by a presence table of 8 bytes
+per block (tiers/presence.py), not by lmdb reads. After opening, a
 background sweep (`swept` is set when it is done) removes data files the
 index does not know (a crash between a rename and its commit, temp files of
 interrupted puts) and quarantines records whose file is missing or has the
@@ -36,10 +33,8 @@ wrong size (damage from outside, which a read meets first anyway, as a miss).
 from __future__ import annotations
 
 import errno
-import heapq
 import logging
 import os
-import random
 import threading
 import time
 from contextlib import suppress
@@ -54,16 +49,16 @@ import xxhash
 from tiers.arena import Arena
 from tiers.base import ByteBudget, Tier
 from tiers.disk_index import RECORD, DiskIndex
-from tiers.disk_io import (buffers, fsync_dir, lock_root, parse_name, read_file, readers, unlink_quiet,
+from tiers.disk_io import (buffers, fsync_all, fsync_dir, lock_root, parse_name, read_file, readers, unlink_quiet,
                            whole_files, write_file)
+from tiers.disk_recency import AccessTimes
 from tiers.disk_sweep import sweep
+from tiers.presence import PresenceTable
 from tiers.types import HASH_BYTES, BlockHash, TierKVError, TierUnavailableError
 
 log = logging.getLogger(__name__)
 
 _TMP_PREFIX = ".tmp-"
-PENDING_ATIMES = 16384  # access times kept in memory before a read writes them to the index
-EXACT_LRU = 4096  # up to this many blocks, `oldest` reads every record
 Check = Callable[[BlockHash, memoryview], bool]  # whether a data file is a whole object of that block
 Entry = tuple[int, int, int]  # an unpacked index record
 T = TypeVar("T")
@@ -99,14 +94,14 @@ class DiskTier(ByteBudget, Tier):
             raise
         self._lock = threading.Lock()  # guards the counters, reservations, pending access times, the clock
         self.commit_lock = threading.RLock()  # serializes index writes, renames/unlinks in data/, heals
-        self._pending: dict[BlockHash, bytes] = {}  # records whose access time changed since the last index write
-        self._used = self._blocks = self._reserved = self._clock = 0
+        self._atimes = AccessTimes()  # given by reads, until the next index write (tiers/disk_recency.py)
+        self._used = self._blocks = self._reserved = 0
         self.temp_mark = f"-{os.urandom(4).hex()}-"  # in this instance's temp file names: the sweep leaves those alone
         self._seq = count()
-        self._rng = random.Random()
         self._arena = Arena()  # read buffers, reused once callers drop what they got
         self._full_logged = -1e9  # last "filesystem full" warning (monotonic s)
         self.closed = False
+        self._presence, self.presence_ready = PresenceTable(self.index.records()), False  # filled by the sweep
         self._open_index()
         self.swept = threading.Event()
         self._sweeper = threading.Thread(target=sweep, args=(self,), name="tierkv-disk-sweep", daemon=True)
@@ -144,8 +139,10 @@ class DiskTier(ByteBudget, Tier):
                 return  # another thread healed it meanwhile
             kept, found = whole_files(self._data, self._check, skip=self.temp_mark)
             self.index.replace(problem, kept)
+            self._atimes.take()
             with self._lock:
-                self._pending.clear()
+                self._presence, self.presence_ready = PresenceTable(len(kept)), True
+                self._presence.add(list(kept))
             log.warning("disk tier %s: index rebuilt from %d of %d data files", self.root, len(kept), found)
         self._sync_totals()
 
@@ -182,21 +179,28 @@ class DiskTier(ByteBudget, Tier):
     def put_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[bool]:
         todo = self._admit(hashes, objs)
         try:
-            written = [self._write_temp(hashes[i], objs[i]) for i in todo]
-            self._commit([w for w in written if w is not None])
+            written = [w for w in (self._write_temp(hashes[i], objs[i]) for i in todo) if w is not None]
+            if self.fsync:  # all of the batch's files at once (disk_io.syncers)
+                failed = fsync_all([w[1] for w in written])
+                for w, e in zip(written, failed):
+                    if e is not None:
+                        unlink_quiet(w[1])
+                        self._write_failed(w[1], e)
+                written = [w for w, e in zip(written, failed) if e is None]
+            self._commit(written)
         finally:
             with self._lock:
                 self._reserved -= sum(objs[i].numel() for i in todo)
         return self.contains_many(hashes)
 
     def _write_temp(self, h: BlockHash, obj: torch.Tensor) -> tuple[BlockHash, Path, int, int] | None:
-        """Write `obj` durably under a temp name next to its final path:
-        (hash, temp path, size, checksum), or None if that fails (ENOSPC is a
-        full disk, anything else is also an error)."""
+        """Write `obj` under a temp name next to its final path (fsynced by
+        the caller): (hash, temp path, size, checksum), or None if that fails
+        (ENOSPC is a full disk, anything else is also an error)."""
         data = memoryview(obj.cpu().numpy())
         tmp = self.path_of(h).with_name(f"{_TMP_PREFIX}{h.hex()}{self.temp_mark}{next(self._seq)}")
         try:
-            write_file(tmp, data, self.fsync)
+            write_file(tmp, data, fsync=False)
         except OSError as e:
             self._write_failed(tmp, e)
             return None
@@ -225,8 +229,7 @@ class DiskTier(ByteBudget, Tier):
                     os.rename(tmp, self.path_of(h))
                 if self.fsync and fresh:
                     fsync_dir(self._data)
-                with self._lock:
-                    puts = {h: RECORD.pack(size, csum, self._tick()) for h, _, size, csum in fresh}
+                puts = {h: RECORD.pack(size, csum, self._atimes.tick()) for h, _, size, csum in fresh}
                 ok = self._write_index(puts, [])
             except OSError as e:
                 log.warning("disk tier %s: publishing %d files failed: %s", self.root, len(fresh), e)
@@ -258,14 +261,17 @@ class DiskTier(ByteBudget, Tier):
         """One index write transaction (caller holds the commit lock): `puts`,
         `dels` and the access times gathered since the last one; a damaged
         index is healed and the write applied to the new one."""
-        with self._lock:
-            pending, self._pending = self._pending, {}
+        pending = self._atimes.take()
         generation = self.index.generation
         try:
             ok = self.index.write(puts, dels, pending)
         except lmdb.Error as e:
             self._heal(generation, str(e))
             ok = self.index.write(puts, dels)
+        if ok:
+            with self._lock:
+                self._presence.add(list(puts))
+                self._presence.discard(dels)
         self._sync_totals()
         return ok
 
@@ -274,10 +280,7 @@ class DiskTier(ByteBudget, Tier):
         and is quarantined."""
         entries = self.records_of(hashes)
         found = [(h, e) for h, e in zip(hashes, entries) if e is not None]
-        with self._lock:
-            for h, e in found:
-                self._pending[h] = RECORD.pack(e[0], e[1], self._tick())
-            flush = len(self._pending) >= PENDING_ATIMES
+        flush = self._atimes.read(found)
         bufs = buffers(self._arena, [e[0] for _, e in found])
         read = iter(readers().map(self._read, *zip(*found), bufs) if len(found) > 1 else
                     [self._read(h, e, b) for (h, e), b in zip(found, bufs)])
@@ -344,43 +347,38 @@ class DiskTier(ByteBudget, Tier):
         return True
 
     def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        with self._lock:  # the presence table once the sweep has filled it (tiers/presence.py)
+            if self.presence_ready:
+                return self._presence.contains(hashes)
         return self._present(hashes)
 
-    def _records(self) -> list[tuple[BlockHash, int]]:
-        """(hash, last access) of every record, pending access times applied."""
-        out, after = [], b""
-        while chunk := self._reading(lambda index: index.scan(after)):
-            out.extend((BlockHash(k), RECORD.unpack(v)[2]) for k, v in chunk)
-            after = chunk[-1][0]
-        return self._with_pending(out)
-
-    def _with_pending(self, recs: Iterable[tuple[BlockHash, int]]) -> list[tuple[BlockHash, int]]:
-        with self._lock:
-            pending = self._pending
-            return [(h, RECORD.unpack(pending[h])[2] if h in pending else t) for h, t in recs]
+    def learn(self, after: bytes) -> list[tuple[bytes, bytes]]:
+        """The sweep's walk: the next records past `after`, added to the
+        presence table (under the commit lock, so no write slips between)."""
+        with self.commit_lock:
+            chunk = self._reading(lambda index: index.scan(after))
+            with self._lock:
+                self._presence.add([k for k, _ in chunk])
+                self.presence_ready = self.presence_ready or not chunk
+        return chunk
 
     def keys(self) -> list[BlockHash]:
         """Held hashes, least recently used (read or written) first (reads every record)."""
-        return [h for h, _ in sorted(self._records(), key=lambda r: r[1])]
+        return [h for h, _ in sorted(self._atimes.every(self._scan), key=lambda r: r[1])]
 
     def oldest(self, n: int, draws: int, skip: Callable[[BlockHash], bool] = lambda h: False) -> list[BlockHash]:
-        """Up to n held blocks not in `skip`, least recently used first:
-        exactly so while the tier holds at most EXACT_LRU blocks, else the
-        oldest of `draws` records drawn at random."""
-        if self._blocks <= EXACT_LRU:
-            recs = self._records()
-        else:
-            draw = [self._rng.randbytes(HASH_BYTES) for _ in range(draws)]
-            sample = self._reading(lambda index: index.sample(draw))
-            recs = self._with_pending((BlockHash(k), RECORD.unpack(v)[2]) for k, v in sample.items())
-        return [h for h, _ in heapq.nsmallest(n, ((h, t) for h, t in recs if not skip(h)), key=lambda r: r[1])]
+        return self._atimes.oldest(n, draws, skip, self._blocks, self._scan,
+                                   lambda draw: self._reading(lambda index: index.sample(draw)))
+
+    def _scan(self, after: bytes) -> list[tuple[bytes, bytes]]:
+        return self._reading(lambda index: index.scan(after))
 
     def close(self) -> None:
         """Flush last-access times, stop the sweep, close the index and release the root."""
         with self.commit_lock:
             if self.closed:
                 return
-            if self._pending:
+            if self._atimes.waiting():
                 self._write_index({}, [])
             self.closed = True
         self._sweeper.join()
@@ -391,8 +389,3 @@ class DiskTier(ByteBudget, Tier):
     def _check_open(self) -> None:
         if self.closed:
             raise TierKVError(f"disk tier {self.root} is closed")
-
-    def _tick(self) -> int:
-        """A strictly increasing wall-clock timestamp (caller holds the lock)."""
-        self._clock = max(time.time_ns(), self._clock + 1)
-        return self._clock

@@ -136,7 +136,7 @@ class DiskIndex:
     def _open(self) -> lmdb.Environment:
         try:
             return lmdb.open(str(self.path), map_size=self._map_size, subdir=True, sync=self._sync,
-                             metasync=self._sync, readahead=False, max_dbs=0)
+                             metasync=False, readahead=False, max_dbs=0)
         except lmdb.Error as e:
             raise TierUnavailableError(f"disk index {self.path}: cannot open: {e}") from e
 

@@ -5,7 +5,8 @@ between a rename and its index commit, temp files of interrupted puts) and
 quarantines records whose file is missing or has the wrong size (damage
 from outside; a read meets it first anyway, as a miss). Each decision is taken
 again under the tier's commit lock, so a put or delete in flight is never
-mistaken for garbage."""
+mistaken for garbage. Its walk over the records also fills the tier's
+presence table (tiers/presence.py), which answers lookups once it is whole."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from tiers.disk_index import RECORD, DiskIndex
+from tiers.disk_index import RECORD
 from tiers.disk_io import parse_name, unlink_quiet
 from tiers.types import BlockHash
 
@@ -30,7 +31,7 @@ class Swept(Protocol):
     swept: threading.Event  # set when the sweep ends
     temp_mark: str  # in the names of this tier's own temp files (puts in flight)
     commit_lock: threading.RLock  # held by index writes, renames and unlinks in data/
-    index: DiskIndex
+    def learn(self, after: bytes) -> list[tuple[bytes, bytes]]: ...
 
     def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]: ...
 
@@ -53,7 +54,7 @@ def sweep(tier: Swept) -> None:
                     names = []
         _files(tier, names)
         after = b""
-        while not tier.closed and (chunk := tier.index.scan(after, _BATCH)):
+        while not tier.closed and (chunk := tier.learn(after)):  # fills the presence table too
             _records(tier, chunk)
             after = chunk[-1][0]
     except Exception as e:  # a background worker: a failed sweep leaves garbage, never a crash

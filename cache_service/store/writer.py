@@ -22,10 +22,13 @@ _STOP = object()
 Item = tuple[BlockHash, torch.Tensor]
 
 
+WRITE_BATCH = 256  # items per write: a tier's fixed cost per batch (a directory fsync, an index commit) amortized
+
+
 class TierWriter:
     """Drains `q` into `write(batch)`; `write` is the store's persist function."""
 
-    def __init__(self, name: str, depth: int, write: Callable[[Sequence[Item]], None], batch: int = 64,
+    def __init__(self, name: str, depth: int, write: Callable[[Sequence[Item]], None], batch: int = WRITE_BATCH,
                  tick: Callable[[], bool | None] | None = None, tick_s: float = 1.0) -> None:
         self.name = name
         self.q: queue.Queue = queue.Queue(maxsize=depth)

@@ -355,3 +355,21 @@ def test_full_filesystem_refuses_puts_without_damage(tmp_path, monkeypatch):
     finally:
         if mounted:  # lazy: a failed assertion may leave the tier's lmdb open on it
             subprocess.run(["umount", "-l", str(root)], check=True)
+
+
+def test_lookups_from_the_presence_table_agree_with_the_index(tmp_path):
+    tier = DiskTier(tmp_path, 8 * MB, fsync=False)
+    hs = keys(60)
+    tier.put_many(hs[:40], [block_for(h) for h in hs[:40]])
+    tier.close()
+    # Reopened: the sweep walks the index and fills the presence table; lookups then use it.
+    tier = DiskTier(tmp_path, 8 * MB, fsync=False)
+    assert tier.swept.wait(30) and tier.presence_ready
+    # Puts, deletes and a quarantine after that keep table and index in step.
+    tier.put_many(hs[40:], [block_for(h) for h in hs[40:]])
+    tier.delete_many(hs[:10])
+    tier.quarantine(hs[10:12])
+    want = [i >= 12 for i in range(60)]
+    assert tier.contains_many(hs) == tier._present(hs) == want
+    assert tier.contains_many(keys(20, seed=5)) == [False] * 20
+    tier.close()

@@ -11,7 +11,7 @@ from cache_service.blocks.keys import Namespace, prefix_hashes
 from cache_service.config import load_config
 from cache_service.factory import open_store
 from cache_service.store.eviction import make_policy
-from tiers import disk as disk_module
+from tiers import disk_recency
 from tiers.cpu import CpuTier
 from tiers.disk import DiskTier
 from tiers.types import ConfigError
@@ -69,9 +69,9 @@ def test_pinned_blocks_are_passed_over_and_all_pinned_is_none(tmp_path):
 
 
 def test_past_the_exact_range_victims_are_among_the_oldest(tmp_path):
-    n = disk_module.EXACT_LRU + 2000
+    n = disk_recency.EXACT_LRU + 2000
     tier, hs = filled(tmp_path, n)  # put in order: hs[i] is the i-th oldest
-    tier._rng.seed(7)
+    tier._atimes._rng.seed(7)
     pol = make_policy("sampled", n, source=tier)
     # 300 victims, each the oldest of its random draws: nearly all from the oldest fifth.
     got = [pol.victim(no_pins) for _ in range(300)]
