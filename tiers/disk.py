@@ -108,9 +108,10 @@ class DiskTier(ByteBudget, Tier):
         self._sweeper.start()
 
     def _make_dirs(self) -> None:
+        new = not self._data.is_dir()  # fsyncing a data/ of millions of files is not free: only a new one
         self._quarantine_dir.mkdir(parents=True, exist_ok=True)
         self._data.mkdir(parents=True, exist_ok=True)
-        if self.fsync:
+        if self.fsync and new:
             fsync_dir(self._data)
             fsync_dir(self.root)
 

@@ -25,6 +25,12 @@ MDB_CORRUPTED from any later cursor or write. So:
   thread may still be in it.
 
 Each heal is logged once and counted in `healed`.
+
+Durability: lmdb flushes a commit's pages but not its meta page (metasync
+off): one fsync per commit instead of two, and a power cut can undo the
+last commit only, leaving a consistent index. An undone put leaves data
+files no record names (the tier's sweep removes them); an undone delete
+leaves records whose files are gone (a miss, quarantined by the sweep).
 """
 from __future__ import annotations
 
