@@ -15,6 +15,7 @@ not care whether the store is embedded or remote.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Protocol, Sequence
 from urllib.parse import parse_qs, urlsplit
 
@@ -44,31 +45,38 @@ class CacheClient(Protocol):
     def close(self) -> None: ...
 
 
-def local_config(url: str, base: Config | None = None) -> Config:
-    """Config of an embedded store for a ``local://`` URL."""
+def local_config(url: str, config_file: str | os.PathLike | None = None) -> Config:
+    """Config of an embedded store for a ``local://`` URL: the TOML
+    `config_file` (the file `tierkv serve --config` reads: tiers, S3,
+    directory) and ``TIERKV_*`` variables, then the URL's path and parameters
+    over them. Without a file: a 20 GiB disk tier at the URL's path (default:
+    the cache dir)."""
     parts = urlsplit(url)
-    path = parts.path or str(default_cache_dir() / "store")
-    tiers: dict[str, dict] = {"disk": {"path": path, "capacity": "20GiB"}}
+    tiers: dict[str, dict] = {}
+    if parts.path or config_file is None:
+        tiers["disk"] = {"path": parts.path or str(default_cache_dir() / "store")}
+    if config_file is None:
+        tiers["disk"]["capacity"] = "20GiB"
     for key, values in parse_qs(parts.query).items():
         if key not in _QUERY_KEYS:
             raise ConfigError(f"cache URL {url!r}: unknown parameter {key!r} (known: {', '.join(_QUERY_KEYS)})")
         tier, field = _QUERY_KEYS[key]
         for t in ([tier] if tier else ["cpu", "disk"]):
             tiers.setdefault(t, {})[field] = values[-1]
-    if base is None:
-        return load_config(overrides={"tiers": tiers})
-    return load_config(overrides={"tiers": tiers, "store": {"queue_full": base.store.queue_full}})
+    return load_config(config_file, overrides={"tiers": tiers})
 
 
-def connect(url: str, config: Config | None = None) -> CacheClient | None:
-    """A client for `url`, or None for ``none``. Raises TierKVError for a
-    malformed URL and TierUnavailableError when the service cannot be used."""
+def connect(url: str, config_file: str | os.PathLike | None = None) -> CacheClient | None:
+    """A client for `url`, or None for ``none``; an embedded (``local://``)
+    store is configured by `config_file` under the URL (`local_config`).
+    Raises TierKVError for a malformed URL and TierUnavailableError when the
+    service cannot be used."""
     if url in ("none", ""):
         return None
     scheme = urlsplit(url).scheme if "://" in url else None
     if scheme == "local":
         try:
-            return open_store(local_config(url, config))
+            return open_store(local_config(url, config_file))
         except OSError as e:
             raise TierUnavailableError(f"cannot open local cache at {urlsplit(url).path or 'default dir'}: {e}") from e
     if scheme == "grpc":

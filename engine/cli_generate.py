@@ -11,7 +11,7 @@ from pathlib import Path
 from cache_service.config import default_cache_dir, load_config
 from cache_service.factory import open_sessions
 from cache_service.sessions.manifests import Session, SessionStore
-from connectors.client import connect
+from connectors.client import connect, local_config
 from connectors.engine import EngineConnector
 from engine.llm import LLM, RequestOutput, SamplingParams
 from tiers.types import TierKVError, TierUnavailableError
@@ -31,6 +31,9 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per cached block")
     p.add_argument("--tenant", default="", help="tenant whose namespace (and sessions) to use")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="TOML config, as for `tierkv serve`: tiers, S3 and Redis of a local:// cache and its sessions "
+                        "(TIERKV_* variables and the URL's parameters override it)")
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +68,7 @@ def open_engine(args: argparse.Namespace) -> tuple[LLM, EngineConnector | None]:
     """The engine with its connector attached (None when the cache is off or unreachable)."""
     llm = LLM(args.model, dtype=args.dtype)
     try:
-        client = connect(args.kv_connector)
+        client = connect(args.kv_connector, args.config)
     except TierUnavailableError as e:
         print(f"tierkv: warning: {e}; running without the KV cache", file=sys.stderr)
         client = None
@@ -138,16 +141,17 @@ def _print_human(s: dict) -> None:
 
 def _session(args: argparse.Namespace, llm: LLM) -> tuple[SessionStore | None, Session | None]:
     """The session's manifest store and manifest. With a ``[directory]``
-    configured (TIERKV_DIRECTORY__URL / __CLUSTER) they are shared by every
+    configured (in --config, or TIERKV_DIRECTORY__URL / __CLUSTER) they are shared by every
     node on the same Redis and S3, so a session started elsewhere continues
     here; otherwise they are files next to the local store."""
     if not args.session:
         return None, None
     url = args.kv_connector
-    root = Path(url.split("://", 1)[1].split("?", 1)[0]) if url.startswith("local://") and url != "local://" \
+    cfg = local_config(url, args.config) if url.startswith("local://") else load_config(args.config)
+    root = Path(cfg.tiers.disk.path) if url.startswith("local://") and cfg.tiers.disk is not None \
         else default_cache_dir() / "store"
     conn = getattr(llm, "kv_connector", None)
-    sessions = open_sessions(load_config(), root, getattr(conn, "client", None))
+    sessions = open_sessions(cfg, root, getattr(conn, "client", None))
     s = sessions.get(args.session, args.tenant) or Session(args.session, tenant=args.tenant,
                                                           block_tokens=args.block_tokens)
     if s.model_id and s.model_id != llm.model_id:

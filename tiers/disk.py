@@ -179,33 +179,34 @@ class DiskTier(ByteBudget, Tier):
 
     def put_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[bool]:
         todo = self._admit(hashes, objs)
+        written = []
         try:
             written = [w for w in (self._write_temp(hashes[i], objs[i]) for i in todo) if w is not None]
-            if self.fsync:  # all of the batch's files at once (disk_io.syncers)
-                failed = fsync_all([w[1] for w in written])
-                for w, e in zip(written, failed):
-                    if e is not None:
-                        unlink_quiet(w[1])
-                        self._write_failed(w[1], e)
-                written = [w for w, e in zip(written, failed) if e is None]
-            self._commit(written)
+            failed = fsync_all([w[4] for w in written]) if self.fsync else [None] * len(written)
+            for w, e in zip(written, failed):  # all of the batch's files at once (disk_io.syncers)
+                if e is not None:
+                    unlink_quiet(w[1])
+                    self._write_failed(w[1], e)
+            self._commit([w[:4] for w, e in zip(written, failed) if e is None])
         finally:
+            for w in written:
+                os.close(w[4])
             with self._lock:
                 self._reserved -= sum(objs[i].numel() for i in todo)
         return self.contains_many(hashes)
 
-    def _write_temp(self, h: BlockHash, obj: torch.Tensor) -> tuple[BlockHash, Path, int, int] | None:
-        """Write `obj` under a temp name next to its final path (fsynced by
-        the caller): (hash, temp path, size, checksum), or None if that fails
-        (ENOSPC is a full disk, anything else is also an error)."""
+    def _write_temp(self, h: BlockHash, obj: torch.Tensor) -> tuple[BlockHash, Path, int, int, int] | None:
+        """Write `obj` under a temp name next to its final path: (hash, temp
+        path, size, checksum, open fd for the caller to fsync and close), or
+        None if that fails (ENOSPC is a full disk, anything else an error)."""
         data = memoryview(obj.cpu().numpy())
         tmp = self.path_of(h).with_name(f"{_TMP_PREFIX}{h.hex()}{self.temp_mark}{next(self._seq)}")
         try:
-            write_file(tmp, data, fsync=False)
+            fd = write_file(tmp, data)
         except OSError as e:
             self._write_failed(tmp, e)
             return None
-        return h, tmp, len(data), xxhash.xxh3_64_intdigest(data)
+        return h, tmp, len(data), xxhash.xxh3_64_intdigest(data), fd
 
     def _write_failed(self, tmp: Path, e: OSError) -> None:
         if e.errno == errno.ENOSPC:  # a capacity condition, not an error: say so, but not per block

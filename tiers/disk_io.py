@@ -47,20 +47,16 @@ def syncers() -> ThreadPoolExecutor:
     return _pool("sync", SYNC_THREADS)
 
 
-def fsync_all(paths: list[Path]) -> list[OSError | None]:
-    """fsync each file (concurrently); the error per file, None where it worked."""
-    def one(path: Path) -> OSError | None:
+def fsync_all(fds: list[int]) -> list[OSError | None]:
+    """fsync each open file (concurrently); the error per file, None where it worked."""
+    def one(fd: int) -> OSError | None:
         try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            os.fsync(fd)
         except OSError as e:
             return e
         return None
 
-    return list(syncers().map(one, paths)) if len(paths) > 1 else [one(p) for p in paths]
+    return list(syncers().map(one, fds)) if len(fds) > 1 else [one(fd) for fd in fds]
 
 
 def buffers(arena: Arena, sizes: list[int]) -> list[torch.Tensor]:
@@ -107,19 +103,18 @@ def unlink_quiet(path: str | os.PathLike) -> None:
         os.unlink(path)
 
 
-def write_file(path: Path, data: memoryview, fsync: bool) -> None:
-    """Write `data` to a new file at `path` (fsynced unless not `fsync`); on
-    any OSError the file is removed and the error raised."""
+def write_file(path: Path, data: memoryview) -> int:
+    """Write `data` to a new file at `path`; its fd, still open (the caller
+    fsyncs and closes it). On any OSError the file is removed and the error raised."""
+    fd = -1
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            while data:
-                data = data[os.write(fd, data):]
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        while data:
+            data = data[os.write(fd, data):]
+        return fd
     except OSError:
+        if fd >= 0:
+            os.close(fd)
         unlink_quiet(path)
         raise
 
