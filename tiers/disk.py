@@ -101,7 +101,7 @@ class DiskTier(ByteBudget, Tier):
         self._arena = Arena()  # read buffers, reused once callers drop what they got
         self._full_logged = -1e9  # last "filesystem full" warning (monotonic s)
         self.closed = False
-        self._presence, self.presence_ready = PresenceTable(self.index.records()), False  # filled by the sweep
+        self._presence, self.presence_ready = PresenceTable(self.index.size_hint()), False  # filled by the sweep
         self._open_index()
         self.swept = threading.Event()
         self._sweeper = threading.Thread(target=sweep, args=(self,), name="tierkv-disk-sweep", daemon=True)

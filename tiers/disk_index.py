@@ -167,6 +167,11 @@ class DiskIndex:
         with self._env.begin() as txn:
             return txn.get(META_KEY)
 
+    def size_hint(self) -> int:
+        """About how many records the index holds, from its meta page alone
+        (safe on a damaged tree)."""
+        return self._env.stat()["entries"]
+
     def records(self) -> int:
         """How many hash records the index holds (lmdb keeps the count)."""
         return self._env.stat()["entries"] - (self.meta() is not None)

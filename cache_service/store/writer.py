@@ -48,7 +48,8 @@ class TierWriter:
             return False
 
     def depth(self) -> int:
-        return self.q.qsize()
+        """Objects not yet written: queued, or in the batch being written."""
+        return self.q.unfinished_tasks
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued object is written (or `timeout` passes)."""

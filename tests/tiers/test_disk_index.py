@@ -101,7 +101,7 @@ def test_an_emptied_index_is_rebuilt_and_damaged_files_are_left_out(tmp_path):
     tier.close()
 
 
-def test_damage_met_by_a_write_rebuilds_the_index_from_memory(tmp_path):
+def test_damage_met_while_open_rebuilds_the_index_from_the_data_files(tmp_path):
     made = filled(tmp_path)
     tier = DiskTier(tmp_path, 8 * MB, check=intact)
     # The index's pages past the meta pages overwritten under the open tier.
@@ -109,7 +109,7 @@ def test_damage_met_by_a_write_rebuilds_the_index_from_memory(tmp_path):
     with open(f, "r+b") as fh:
         fh.seek(2 * 4096)
         fh.write(random.Random(7).randbytes(bytes_in_use(f.parent) - 2 * 4096))
-    # Writes go on (the index is rewritten from the tier's own entries) and nothing is lost.
+    # Reads and writes go on (the index is rebuilt from the data files) and nothing is lost.
     more = blocks(5, start=1000)
     assert all(tier.put_many([h for h, _ in more], [o for _, o in more]))
     assert tier.delete_many([made[0][0]]) == 1
