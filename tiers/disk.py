@@ -92,7 +92,7 @@ class DiskTier(ByteBudget, Tier):
         except TierUnavailableError:
             os.close(self._lock_fd)
             raise
-        self._lock = threading.Lock()  # guards the counters, reservations, pending access times, the clock
+        self._lock = threading.Lock()  # guards the counters, reservations and the presence table
         self.commit_lock = threading.RLock()  # serializes index writes, renames/unlinks in data/, heals
         self._atimes = AccessTimes()  # given by reads, until the next index write (tiers/disk_recency.py)
         self._used = self._blocks = self._reserved = 0
@@ -358,7 +358,7 @@ class DiskTier(ByteBudget, Tier):
         """The sweep's walk: the next records past `after`, added to the
         presence table (under the commit lock, so no write slips between)."""
         with self.commit_lock:
-            chunk = self._reading(lambda index: index.scan(after))
+            chunk = self._scan(after)
             with self._lock:
                 self._presence.add([k for k, _ in chunk])
                 self.presence_ready = self.presence_ready or not chunk

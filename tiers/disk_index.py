@@ -40,6 +40,7 @@ import shutil
 import struct
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import lmdb
 
@@ -58,6 +59,14 @@ _LONGEST_RECORD = (1 << 32) + (1 << 20)  # what a damaged 32-bit record length c
 META_KEY = b"tierkv:meta"  # (records, bytes): not a hash's length, so never a block's key
 _TOTALS = struct.Struct("<QQ")
 RECORD = struct.Struct("<QQQ")  # a hash's record: file size, xxh3_64 of the file bytes, last access (ns since epoch)
+
+
+def walk(scan: Callable[[bytes], list[tuple[bytes, bytes]]]) -> Iterator[list[tuple[bytes, bytes]]]:
+    """Every record, chunk by chunk, from `scan` (records past a key, in key order)."""
+    after = b""
+    while chunk := scan(after):
+        yield chunk
+        after = chunk[-1][0]
 
 
 def _size(record: bytes) -> int:
@@ -215,9 +224,8 @@ class DiskIndex:
         """Write the meta record again from every record (an index written
         before there was one, or one whose count disagrees with lmdb's)."""
         blocks = nbytes = 0
-        after = b""
-        while chunk := self.scan(after):
-            blocks, nbytes, after = blocks + len(chunk), nbytes + sum(_size(v) for _, v in chunk), chunk[-1][0]
+        for chunk in walk(self.scan):
+            blocks, nbytes = blocks + len(chunk), nbytes + sum(_size(v) for _, v in chunk)
         with self._env.begin(write=True) as txn:
             txn.put(META_KEY, _TOTALS.pack(blocks, nbytes))
         return blocks, nbytes

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable, Iterable, Sequence
 
-from tiers.disk_index import RECORD
+from tiers.disk_index import RECORD, walk
 from tiers.types import HASH_BYTES, BlockHash
 
 PENDING_ATIMES = 16384  # access times kept in memory before a read has them written
@@ -65,11 +65,7 @@ class AccessTimes:
 
     def every(self, scan: Scan) -> list[tuple[BlockHash, int]]:
         """(hash, last access) of every record."""
-        out, after = [], b""
-        while chunk := scan(after):
-            out.extend(self._apply(chunk))
-            after = chunk[-1][0]
-        return out
+        return [r for chunk in walk(scan) for r in self._apply(chunk)]
 
     def oldest(self, n: int, draws: int, skip: Callable[[BlockHash], bool], held: int,
                scan: Scan, sample: Sample) -> list[BlockHash]:

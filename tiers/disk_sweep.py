@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from tiers.disk_index import RECORD
+from tiers.disk_index import RECORD, walk
 from tiers.disk_io import parse_name, unlink_quiet
 from tiers.types import BlockHash
 
@@ -53,10 +53,8 @@ def sweep(tier: Swept) -> None:
                     _files(tier, names)
                     names = []
         _files(tier, names)
-        after = b""
-        while not tier.closed and (chunk := tier.learn(after)):  # fills the presence table too
+        for chunk in walk(tier.learn):  # fills the presence table too; stops (raises) once the tier closes
             _records(tier, chunk)
-            after = chunk[-1][0]
     except Exception as e:  # a background worker: a failed sweep leaves garbage, never a crash
         if not tier.closed:
             log.warning("disk tier %s: sweep failed: %s", tier.root, e)
