@@ -7,6 +7,7 @@ reads an untyped dict. Example ``tierkv.toml``::
     queue_depth = 1024          # per lower tier
     queue_full = "wait"         # or "skip"
     promote_after_hits = 2      # local lower-tier hits before a block is copied up (S3: the first; 0: never)
+    tenant_pin_bytes = "4GiB"   # a tenant's session pins at most; past it its oldest session pin yields
 
     [tiers.cpu]
     capacity = "4GiB"
@@ -189,8 +190,11 @@ class StoreConfig:
     queue_full: str = "wait"
     promote_after_hits: int = 2  # a block read once from a lower tier stays there (one-shot reads copy nothing)
     flush_timeout_s: float = 30.0
+    # a tenant's session-pinned bytes at most (session hints, cache_service/store/pins.py); past it its oldest pin yields
+    tenant_pin_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
+        self.tenant_pin_bytes = parse_size(self.tenant_pin_bytes, "store.tenant_pin_bytes")
         if self.queue_depth <= 0:
             raise ConfigError(f"store.queue_depth must be positive, got {self.queue_depth}")
         _check_choice("store.queue_full", self.queue_full, ("wait", "skip"))

@@ -70,6 +70,14 @@ class BlockManager:
                 self.hash_to_page[h] = page
         seq.num_registered_pages = max(seq.num_registered_pages, n_full)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page no sequence holds (they become plain free pages)."""
+        while self.free_cached:
+            page, _ = self.free_cached.popitem(last=False)
+            del self.hash_to_page[self.page_hash[page]]
+            self.page_hash[page] = None
+            self.free_plain.append(page)
+
     def _hashes(self, seq: Sequence, n_pages: int) -> list[bytes]:
         have = len(seq.block_hashes)
         if have < n_pages:

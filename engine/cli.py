@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                  "answer one prompt through the engine and the KV cache"),
     "chat": ("engine.cli_generate:add_chat_args", "engine.cli_generate:run_chat",
              "interactive chat; each turn resumes the session's KV"),
+    "serve-engine": ("engine.cli_serve_engine:add_serve_engine_args", "engine.cli_serve_engine:run_serve_engine",
+                     "serve the engine over an OpenAI-compatible HTTP API, with the KV cache"),
     "serve": ("cache_service.server.cli_serve:add_serve_args", "cache_service.server.cli_serve:run_serve",
               "run the standalone cache daemon (gRPC, metrics, health, auth)"),
     "stats": ("connectors.cli_admin:add_stats_args", "connectors.cli_admin:run_stats",

@@ -146,17 +146,22 @@ def _session(args: argparse.Namespace, llm: LLM) -> tuple[SessionStore | None, S
     here; otherwise they are files next to the local store."""
     if not args.session:
         return None, None
-    url = args.kv_connector
-    cfg = local_config(url, args.config) if url.startswith("local://") else load_config(args.config)
-    root = Path(cfg.tiers.disk.path) if url.startswith("local://") and cfg.tiers.disk is not None \
-        else default_cache_dir() / "store"
     conn = getattr(llm, "kv_connector", None)
-    sessions = open_sessions(cfg, root, getattr(conn, "client", None))
+    sessions = session_manifests(args.kv_connector, args.config, getattr(conn, "client", None))
     s = sessions.get(args.session, args.tenant) or Session(args.session, tenant=args.tenant,
                                                           block_tokens=args.block_tokens)
     if s.model_id and s.model_id != llm.model_id:
         raise TierKVError(f"session {args.session!r} belongs to model {s.model_id}, not {llm.model_id}")
     return sessions, s
+
+
+def session_manifests(url: str, config_file: str | None, client: object = None) -> SessionStore:
+    """Where a cache's session manifests live: shared (Redis + S3) when the
+    config has a ``[directory]``, else files next to the local store."""
+    cfg = local_config(url, config_file) if url.startswith("local://") else load_config(config_file)
+    root = Path(cfg.tiers.disk.path) if url.startswith("local://") and cfg.tiers.disk is not None \
+        else default_cache_dir() / "store"
+    return open_sessions(cfg, root, client)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -120,7 +120,7 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ConfigError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        token_lists = [self._prompt_ids(p) for p in prompts]  # all validated before any is queued
+        token_lists = [self.prompt_ids(p) for p in prompts]  # all validated before any is queued
         seqs = [self.add_request(ids, sp) for ids, sp in zip(token_lists, plist)]
         while not all(s.is_finished for s in seqs):
             self.step()
@@ -128,10 +128,32 @@ class LLM:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Queue one prompt; drive it with `step()` (or use `generate`)."""
-        ids = self._prompt_ids(prompt)
+        ids = self.prompt_ids(prompt)
         seq = Sequence(next(self._ids), ids, params, generator=make_generator(params.seed, self.device))
         self.scheduler.add(seq)
         return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a request now (a client went away, or a stop string was met);
+        its finish reason stays as set, "abort" if none was."""
+        self.scheduler.abort(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def warmup(self, tokens: int = 256) -> None:
+        """One throwaway prefill and a few decodes with the connector detached,
+        so one-time costs (allocator growth, kernel selection, lazy imports)
+        are paid at load, not in the first request's TTFT (vLLM's profile run
+        does the same)."""
+        connector, self.scheduler.connector = self.scheduler.connector, None
+        try:
+            n = max(1, min(tokens, self.max_model_len - 4))
+            ids = [(7 * i + 11) % self.model_config.vocab_size for i in range(n)]
+            self.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))
+        finally:
+            self.scheduler.connector = connector
+            self.blocks.reset_prefix_cache()
 
     def step(self) -> list[Sequence]:
         """Schedule and run one forward; returns the sequences that finished in it."""
@@ -141,7 +163,8 @@ class LLM:
         tokens = sample(logits, done, self._default_gen) if done else []
         return self.scheduler.update(batch, dict(zip(done, tokens)))
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (text or ids); PromptError when empty, too long or out of the vocabulary."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise PromptError("prompt is empty")

@@ -130,6 +130,17 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def abort(self, seq: Sequence) -> None:
+        """Take `seq` out of the queue or the running batch (its KV so far is saved)."""
+        if seq.is_finished:
+            return
+        seq.finish_reason = seq.finish_reason or "abort"
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            seq.status, seq.finish_s = SeqStatus.FINISHED, time.perf_counter()
+        else:
+            self._finish(seq, time.perf_counter())
+
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):

@@ -208,13 +208,13 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @rpc
     def Pin(self, request, context, tenant):
         _, keys = self._blocks(request, tenant, need_ns=False)
-        self.store.pin(keys, request.ttl_s if request.ttl_s > 0 else None)
+        self.store.pins.pin(keys, request.ttl_s if request.ttl_s > 0 else None)
         return pb.PinReply()
 
     @rpc
     def Unpin(self, request, context, tenant):
         _, keys = self._blocks(request, tenant, need_ns=False)
-        self.store.unpin(keys)
+        self.store.pins.unpin(keys)
         return pb.PinReply()
 
     @rpc

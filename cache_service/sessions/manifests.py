@@ -165,7 +165,7 @@ class SessionManager:
             log.warning("session %s: blocks not all written below within %.0fs", s.session_id, self.durable_timeout_s)
         self.manifests.put(s)
         if keys:
-            self.store.pin(keys, pin_ttl_s)
+            self.store.pins.pin(keys, pin_ttl_s)
         return s
 
     def resume(self, owner: str, session_id: str, ns: Namespace | None = None, *,
@@ -179,7 +179,7 @@ class SessionManager:
         keys = self.keys(s, ns, key_tenant)
         left = s.pinned_until - time.time()
         if left > 0:
-            self.store.pin(keys, left)
+            self.store.pins.pin(keys, left)
         return s, self.store.lookup(keys)
 
     def list(self, owner: str = "") -> list[str]:
@@ -190,7 +190,7 @@ class SessionManager:
         """Forget the session; with `ns` its blocks are unpinned (they stay cached)."""
         s = self.manifests.get(session_id, owner) if ns is not None else None
         if s is not None:
-            self.store.unpin(self.keys(s, ns, key_tenant))
+            self.store.pins.unpin(self.keys(s, ns, key_tenant))
         return self.manifests.delete(session_id, owner)
 
     @staticmethod

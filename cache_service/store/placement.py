@@ -14,10 +14,12 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from cache_service.blocks.keys import Namespace
+from cache_service.blocks.objects import decode
 from cache_service.store.state import StoreState
 from cache_service.store.writer import Item
 from tiers.base import Tier
-from tiers.types import BlockHash, CapacityError
+from tiers.types import BlockHash, CapacityError, CorruptBlockError
 
 log = logging.getLogger("tierkv.store")
 _MAX_BELOW_HITS = 1 << 16  # blocks whose lower-tier hits are remembered (oldest forgotten first)
@@ -163,7 +165,7 @@ class Placement:
             used, blocks = tier.stats.used_bytes, tier.stats.blocks
             picked = []
             for _ in range(-(-short // max(1, used // blocks)) if blocks else 1):
-                v = self.state.policies[i].victim(self.state.is_pinned)
+                v = self.state.policies[i].victim(self.state.pins.is_pinned)
                 if v is None:
                     break
                 picked.append(v)
@@ -304,3 +306,29 @@ class Placement:
             self.submit(0, items, wait=False)
             for up in range(1, i):
                 self.submit(up, items)
+
+    def prefetch(self, ns: Namespace, hashes: Sequence[BlockHash]) -> int:
+        """`TieredStore.prefetch`: the blocks below the top tier are read here,
+        checked (a corrupt one is left where it is, for a load to quarantine)
+        and promoted in the background whatever their hit counts."""
+        tiers = self.state.tiers
+        todo = [h for h, ok in zip(hashes, tiers[0].contains_many(hashes)) if not ok]
+        hits: list[tuple[int, BlockHash, torch.Tensor]] = []
+        for i in range(1, len(tiers)):
+            if not todo:
+                break
+            tiers[i].note_namespace(ns.fingerprint())
+            objs = tiers[i].get_many(todo)
+            hits += [(i, h, obj) for h, obj in zip(todo, objs) if obj is not None and _sound(obj, ns, h)]
+            todo = [h for h, obj in zip(todo, objs) if obj is None]
+        self.promote(hits)
+        return len(hits)
+
+
+def _sound(obj: torch.Tensor, ns: Namespace, h: BlockHash) -> bool:
+    try:
+        decode(obj, ns, h, verify_payload=True)
+        return True
+    except CorruptBlockError as e:
+        log.warning("prefetch: block %s is corrupt (%s); left for a load to quarantine", h.hex(), e)
+        return False

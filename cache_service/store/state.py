@@ -1,23 +1,22 @@
 """The state a TieredStore's parts share (`TieredStore`, `Placement`,
 `SharedSlots`), declared in one place, with the small helpers that only
-touch it: counters, recency, pins, directory announcements.
+touch it: counters, recency, directory announcements.
 
 Locks: ``locks[i]`` guards tier i's membership and its policy (taken top to
 bottom when more than one is held); ``meta`` guards the in-flight map, the
-pins, the counters, the remembered lower-tier hits, the deferred blocks and
+counters, the remembered lower-tier hits, the deferred blocks and
 the count of spare slots out. No I/O happens under ``meta``.
 """
 from __future__ import annotations
 
-import math
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from cache_service.config import StoreConfig
 from cache_service.store.eviction.base import EvictionPolicy
+from cache_service.store.pins import PinBook
 from tiers.base import Tier
 from tiers.types import BlockHash
 
@@ -43,7 +42,7 @@ class StoreState:
     locks: list[threading.RLock] = field(init=False)
     meta: threading.Lock = field(default_factory=threading.Lock)
     inflight: dict[BlockHash, list] = field(default_factory=dict)  # hash -> [object, pending writes]
-    pins: dict[BlockHash, float] = field(default_factory=dict)  # hash -> monotonic deadline
+    pins: PinBook = field(init=False)  # its own lock (a leaf: taken under meta and tier locks alike)
     below_hits: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict)  # lower-tier hits not yet promoted
     deferred: list[OrderedDict[BlockHash, None]] = field(init=False)  # per tier: blocks refused while it was down
     holds: dict[BlockHash, list] = field(default_factory=dict)  # h -> [writes pending, releases]: Placement.keep
@@ -61,6 +60,7 @@ class StoreState:
         self.locks = [threading.RLock() for _ in self.tiers]
         self.deferred = [OrderedDict() for _ in self.tiers]
         self.counters = [dict.fromkeys(COUNTERS, 0) for _ in self.tiers]
+        self.pins = PinBook(self.cfg.tenant_pin_bytes)
         self.journals = self.journals or [None] * len(self.tiers)
         assert len(self.journals) == len(self.tiers)
 
@@ -110,25 +110,3 @@ class StoreState:
         for i, tier in enumerate(self.tiers):  # paced by the directory; most recently used first
             if self.where[i] is not None and (tier.name != "s3" or redis_was_empty):
                 self.directory.announce(self.where[i], tier.keys()[::-1])
-
-    def pin(self, hashes: Sequence[BlockHash], ttl_s: float | None) -> None:
-        """Keep blocks out of eviction until `ttl_s` passes (None: until unpinned)."""
-        until = math.inf if ttl_s is None else time.monotonic() + ttl_s
-        with self.meta:
-            for h in hashes:
-                self.pins[h] = max(until, self.pins.get(h, 0.0))
-
-    def unpin(self, hashes: Sequence[BlockHash]) -> None:
-        """Let blocks be evicted again."""
-        with self.meta:
-            for h in hashes:
-                self.pins.pop(h, None)
-
-    def is_pinned(self, h: BlockHash) -> bool:
-        """Whether `h` is pinned now (an expired pin is dropped)."""
-        with self.meta:
-            until = self.pins.get(h)
-            if until is not None and until <= time.monotonic():
-                del self.pins[h]
-                until = None
-        return until is not None

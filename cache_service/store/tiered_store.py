@@ -47,6 +47,7 @@ from cache_service.blocks.objects import (HEADER_SIZE, checksums, decode, encode
                                           encode_into, object_size, require, verify)
 from cache_service.config import StoreConfig
 from cache_service.store.eviction.base import EvictionPolicy
+from cache_service.store.pins import PinBook
 from cache_service.store.placement import Placement
 from cache_service.store.shared_slots import SharedSlots
 from cache_service.store.state import StoreState
@@ -333,7 +334,7 @@ class TieredStore:
         with self._state.meta:
             for h in hashes:
                 self._state.inflight.pop(h, None)
-                self._state.pins.pop(h, None)
+        self._state.pins.forget(hashes)
         n = 0
         for journal in filter(None, self._state.journals):  # not to be uploaded after all
             journal.forget(hashes)
@@ -345,13 +346,15 @@ class TieredStore:
             self._state.publish(i, hashes, present=False)
         return n
 
-    def pin(self, hashes: Sequence[BlockHash], ttl_s: float | None = None) -> None:
-        """Keep blocks out of eviction until `ttl_s` passes (None: until unpin)."""
-        self._state.pin(hashes, ttl_s)
+    @property
+    def pins(self) -> PinBook:
+        """Block pins (`pin`, `unpin`) and session pins (`pin_session`, `unpin_session`): pins.py."""
+        return self._state.pins
 
-    def unpin(self, hashes: Sequence[BlockHash]) -> None:
-        """Let blocks be evicted again."""
-        self._state.unpin(hashes)
+    def prefetch(self, ns: Namespace, hashes: Sequence[BlockHash]) -> int:
+        """Copy those of `hashes` held only below into the top tier now, in
+        the background (a session about to resume); returns how many were queued."""
+        return self._placement.prefetch(ns, hashes)
 
     def _quarantine(self, i: int, h: BlockHash) -> None:
         with self._state.locks[i]:

@@ -45,7 +45,7 @@ def test_a_pool_full_of_pinned_blocks_has_no_room(tmp_path):
     with make_store(tmp_path, cpu_blocks=2, shared=True) as store:
         pinned = hashes(2, start=200)
         store.store(NS, pinned, [payload_for(h) for h in pinned])
-        store.pin(pinned)
+        store.pins.pin(pinned)
         assert store.reserve(NS, hashes(2)) == [NO_ROOM, NO_ROOM]
 
 

@@ -108,7 +108,7 @@ def test_pinned_blocks_survive_pressure_until_their_ttl(tmp_path):
     store = make_store(tmp_path, cpu_blocks=8, disk_blocks=None)
     pinned = hashes(3, start=10_000)
     store.store(NS, pinned, [payload_for(h) for h in pinned])
-    store.pin(pinned, ttl_s=1.5)
+    store.pins.pin(pinned, ttl_s=1.5)
     # heavy pressure: 100 other blocks stream through
     for i in range(0, 100, 10):
         hs = hashes(10, start=4 * i)
@@ -127,7 +127,7 @@ def test_a_tier_full_of_pinned_blocks_sends_new_blocks_below(tmp_path):
     store = make_store(tmp_path, cpu_blocks=4)
     first = hashes(4, start=9000)
     store.store(NS, first, [payload_for(h) for h in first])
-    store.pin(first)
+    store.pins.pin(first)
     hs = hashes(10)
     store.store(NS, hs, [payload_for(h) for h in hs])
     store.flush()

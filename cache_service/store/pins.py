@@ -1,0 +1,155 @@
+"""Pins: blocks kept out of eviction, in every tier, while a pin covers them.
+
+Two kinds: a block pin (`pin(hashes, until)`, the daemon's Pin call) and a
+session pin (`pin_session`): one per (tenant, session), over the blocks of
+that conversation, replaced as the conversation grows and released as one.
+A block stays pinned while any pin covers it, so a sub-agent forked from its
+parent's prefix shares the parent's pinned blocks (no copy) and pins its
+own tail on top.
+
+Session pins are bounded per tenant: the bytes of a tenant's distinct
+session-pinned blocks stay under `cap_bytes`; past it the tenant's oldest
+session pin yields (counted as ``pins_yielded`` and logged), and the pin
+that asked still holds, so the request that made it succeeds.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from tiers.types import BlockHash
+
+log = logging.getLogger("tierkv.pins")
+EXPIRY_CHECK_S = 1.0  # expired session pins are dropped at most this often (they are few)
+
+
+@dataclass(slots=True)
+class SessionPin:
+    hashes: tuple[BlockHash, ...]
+    until: float  # monotonic deadline (inf: until released)
+    block_bytes: int
+
+
+class PinBook:
+    """All pins of one store; thread-safe, no I/O under its lock."""
+
+    def __init__(self, cap_bytes: int = 0) -> None:
+        """`cap_bytes`: a tenant's session-pinned bytes at most (0: no cap)."""
+        self.cap_bytes = cap_bytes
+        self._lock = threading.Lock()
+        self._blocks: dict[BlockHash, float] = {}  # block pins: hash -> monotonic deadline
+        self._sessions: OrderedDict[tuple[str, str], SessionPin] = OrderedDict()  # oldest first
+        self._refs: Counter[BlockHash] = Counter()  # hash -> session pins covering it
+        self._tenant_refs: dict[str, Counter[BlockHash]] = {}
+        self._tenant_bytes: Counter[str] = Counter()
+        self._next_expiry_check = 0.0
+        self.yielded = 0
+
+    # ------------------------------------------------------------- block pins
+    def pin(self, hashes: Sequence[BlockHash], ttl_s: float | None = None) -> None:
+        """Pin blocks for `ttl_s` seconds (None: until `unpin`)."""
+        until = math.inf if ttl_s is None else time.monotonic() + ttl_s
+        with self._lock:
+            for h in hashes:
+                self._blocks[h] = max(until, self._blocks.get(h, 0.0))
+
+    def unpin(self, hashes: Sequence[BlockHash]) -> None:
+        """Drop the block pins of `hashes` (session pins covering them stay)."""
+        with self._lock:
+            for h in hashes:
+                self._blocks.pop(h, None)
+
+    def forget(self, hashes: Sequence[BlockHash]) -> None:
+        """Blocks deleted from the store: no block pin survives them."""
+        self.unpin(hashes)
+
+    # ----------------------------------------------------------- session pins
+    def pin_session(self, tenant: str, session: str, hashes: Sequence[BlockHash], ttl_s: float | None,
+                    block_bytes: int) -> list[str]:
+        """Pin (or re-pin, replacing the earlier pin) a session's blocks for
+        `ttl_s` seconds (None: until released). Returns the ids of the
+        tenant's sessions whose pins yielded to the cap."""
+        until = math.inf if ttl_s is None else time.monotonic() + ttl_s
+        with self._lock:
+            self._drop((tenant, session))
+            self._sessions[(tenant, session)] = SessionPin(tuple(hashes), until, block_bytes)
+            self._add_refs(tenant, hashes, block_bytes)
+            return self._enforce_cap(tenant, keep=(tenant, session))
+
+    def unpin_session(self, tenant: str, session: str) -> bool:
+        """Release a session's pin; False when it had none."""
+        with self._lock:
+            return self._drop((tenant, session))
+
+    def session_pins(self, tenant: str) -> dict[str, int]:
+        """Session id -> blocks pinned, for a tenant's live session pins."""
+        with self._lock:
+            self._expire(time.monotonic(), force=True)
+            return {s: len(p.hashes) for (t, s), p in self._sessions.items() if t == tenant}
+
+    # ------------------------------------------------------------------ query
+    def is_pinned(self, h: BlockHash) -> bool:
+        """Whether any live pin covers `h` (expired pins are dropped here)."""
+        now = time.monotonic()
+        with self._lock:
+            self._expire(now)
+            until = self._blocks.get(h)
+            if until is not None and until <= now:
+                del self._blocks[h]
+                until = None
+            return until is not None or self._refs[h] > 0
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"pinned_blocks": len(self._blocks.keys() | self._refs.keys()), "session_pins": len(self._sessions),
+                    "session_pinned_bytes": sum(self._tenant_bytes.values()), "pins_yielded": self.yielded}
+
+    # --------------------------------------------------------------- internal
+    def _add_refs(self, tenant: str, hashes: Sequence[BlockHash], block_bytes: int) -> None:
+        refs = self._tenant_refs.setdefault(tenant, Counter())
+        for h in set(hashes):
+            self._refs[h] += 1
+            refs[h] += 1
+            if refs[h] == 1:
+                self._tenant_bytes[tenant] += block_bytes
+
+    def _drop(self, key: tuple[str, str]) -> bool:
+        pin = self._sessions.pop(key, None)
+        if pin is None:
+            return False
+        refs = self._tenant_refs[key[0]]
+        for h in set(pin.hashes):
+            self._refs[h] -= 1
+            if self._refs[h] <= 0:
+                del self._refs[h]
+            refs[h] -= 1
+            if refs[h] <= 0:
+                del refs[h]
+                self._tenant_bytes[key[0]] -= pin.block_bytes
+        return True
+
+    def _enforce_cap(self, tenant: str, keep: tuple[str, str]) -> list[str]:
+        yielded = []
+        while self.cap_bytes and self._tenant_bytes[tenant] > self.cap_bytes:
+            oldest = next((k for k in self._sessions if k[0] == tenant and k != keep), None)
+            if oldest is None:
+                break  # the asking session alone is over the cap: it still holds
+            self._drop(oldest)
+            yielded.append(oldest[1])
+        if yielded:
+            self.yielded += len(yielded)
+            log.warning("tenant %r over its pin cap of %d bytes: pins of sessions %s yielded", tenant,
+                        self.cap_bytes, ", ".join(yielded))
+        return yielded
+
+    def _expire(self, now: float, force: bool = False) -> None:
+        if not force and now < self._next_expiry_check:
+            return
+        self._next_expiry_check = now + EXPIRY_CHECK_S
+        for key in [k for k, p in self._sessions.items() if p.until <= now]:
+            self._drop(key)
