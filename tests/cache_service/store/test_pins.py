@@ -1,0 +1,85 @@
+"""Pins: block pins, session pins shared by forks, the per-tenant cap, expiry, and eviction honouring them."""
+from __future__ import annotations
+
+import time
+
+from cache_service.store.pins import PinBook
+from tests.cache_service.store.store_helpers import NS, hashes, make_store, payload_for, same
+from tiers.types import BlockHash
+
+
+def h(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(16, "little"))
+
+
+def test_a_fork_shares_its_parents_pinned_blocks():
+    book = PinBook()
+    parent, tail = [h(i) for i in range(4)], [h(i) for i in range(10, 12)]
+    # The parent pins its conversation; the sub-agent pins the shared prefix plus its own tail.
+    book.pin_session("acme", "parent", parent, 60, block_bytes=100)
+    book.pin_session("acme", "child", parent[:2] + tail, 60, block_bytes=100)
+    # Distinct blocks are counted once for the tenant.
+    assert book.stats()["session_pinned_bytes"] == 600
+    # The parent's release leaves the shared prefix pinned by the child, and frees the rest.
+    assert book.unpin_session("acme", "parent")
+    assert all(book.is_pinned(x) for x in parent[:2] + tail)
+    assert not any(book.is_pinned(x) for x in parent[2:])
+    # Releasing the child frees everything; a second release says there was nothing.
+    assert book.unpin_session("acme", "child") and not book.unpin_session("acme", "child")
+    assert not any(book.is_pinned(x) for x in parent + tail)
+    assert book.stats()["session_pinned_bytes"] == 0
+
+
+def test_past_the_tenant_cap_the_oldest_session_pin_yields():
+    book = PinBook(cap_bytes=1000)
+    # Two sessions of 4 blocks of 100 bytes fit; the third pushes the tenant over its cap.
+    book.pin_session("acme", "s1", [h(i) for i in range(4)], None, 100)
+    book.pin_session("acme", "s2", [h(i) for i in range(10, 14)], None, 100)
+    assert book.pin_session("other", "s9", [h(i) for i in range(30, 38)], None, 100) == []  # another tenant's
+    yielded = book.pin_session("acme", "s3", [h(i) for i in range(20, 24)], None, 100)
+    # The oldest (s1) yielded; the asking session and s2 still hold; it is counted.
+    assert yielded == ["s1"]
+    assert not book.is_pinned(h(0)) and book.is_pinned(h(10)) and book.is_pinned(h(20))
+    assert book.stats()["pins_yielded"] == 1
+    assert set(book.session_pins("acme")) == {"s2", "s3"} and set(book.session_pins("other")) == {"s9"}
+    # A session alone over the cap still holds its pin (the request that made it succeeds).
+    assert book.pin_session("solo", "big", [h(i) for i in range(100, 120)], None, 100) == []
+    assert book.is_pinned(h(100))
+
+
+def test_a_session_repin_replaces_its_pin_and_pins_expire():
+    book = PinBook()
+    book.pin_session("", "s", [h(1), h(2)], 60, 10)
+    # The next turn re-pins the grown conversation: the old pin is replaced, not stacked.
+    book.pin_session("", "s", [h(1), h(2), h(3)], 0.2, 10)
+    assert book.stats()["session_pinned_bytes"] == 30
+    # Past its TTL the pin is gone (block pins expire likewise).
+    book.pin([h(9)], ttl_s=0.2)
+    time.sleep(0.25)
+    book._next_expiry_check = 0.0
+    assert not book.is_pinned(h(1)) and not book.is_pinned(h(9))
+    assert book.session_pins("") == {}
+
+
+def test_eviction_passes_over_session_pinned_blocks_and_prefetch_brings_blocks_up(tmp_path):
+    # A CPU tier of 8 blocks over a disk tier.
+    store = make_store(tmp_path, cpu_blocks=8)
+    keep = hashes(3, start=10_000)
+    store.store(NS, keep, [payload_for(x) for x in keep])
+    # A session pins its blocks; 60 blocks of other traffic stream through.
+    store.pins.pin_session("", "agent", keep, 60, NS.payload_bytes)
+    for i in range(0, 60, 10):
+        hs = hashes(10, start=i)
+        store.store(NS, hs, [payload_for(x) for x in hs])
+    store.flush()
+    # The pinned blocks are still in the CPU tier; an early unpinned one went down to disk.
+    cpu = store.tiers[0]
+    assert cpu.contains_many(keep) == [True] * 3
+    early = hashes(2, start=0)
+    assert cpu.contains_many(early) == [False, False] and store.lookup(early) == 2
+    # A prefetch brings the early blocks back up in the background, checked, whatever their hit counts.
+    assert store.prefetch(NS, early) == 2
+    store.flush()
+    assert cpu.contains_many(early) == [True, True]
+    assert all(same(g, payload_for(x)) for g, x in zip(store.load(NS, early), early))
+    store.close()

@@ -1,0 +1,52 @@
+"""Session hints in kv_transfer_params: parsed and checked, then acted on over an embedded store."""
+from __future__ import annotations
+
+import pytest
+
+from cache_service.sessions.manifests import SessionStore
+from connectors.prefix import full_blocks
+from connectors.session_hints import HintError, SessionHint, SessionKeeper
+from tests.cache_service.store.store_helpers import NS, make_store, payload_for
+
+
+@pytest.mark.parametrize("params, error", [
+    ("not an object", "must be an object"),
+    ({"tierkv": {"retain_s": 5}}, '"session"'),
+    ({"tierkv": {"session": "../etc", "retain_s": 5}}, "session"),
+    ({"tierkv": {"session": "a", "retain_s": -1}}, "retain_s"),
+    ({"tierkv": {"session": "a", "retain_s": float("inf")}}, "retain_s"),
+    ({"tierkv": {"session": "a", "release": "yes"}}, "release"),
+    ({"tierkv": {"session": "a", "release": True, "retain_s": 5}}, "together"),
+    ({"tierkv": {"session": "a", "keep": 5}}, "unknown keys"),
+])
+def test_malformed_hints_get_a_clear_error(params, error):
+    with pytest.raises(HintError, match=error):
+        SessionHint.from_params(params)
+
+
+def test_requests_without_hints_have_none():
+    assert SessionHint.from_params(None) is None
+    assert SessionHint.from_params({"other_connector": {"x": 1}}) is None
+    assert SessionHint.from_params({"tierkv": {"session": "agent-7", "retain_s": 600}}) == \
+        SessionHint("agent-7", retain_s=600)
+
+
+def test_a_retained_session_is_pinned_recorded_and_released(tmp_path):
+    store = make_store(tmp_path, cpu_blocks=64)
+    manifests = SessionStore(tmp_path / "m")
+    keeper = SessionKeeper(store, NS, manifests, tenant="acme", model_id="m1")
+    tokens = list(range(3 * NS.block_tokens + NS.block_tokens // 2))
+    keys = full_blocks(NS, tokens)
+    store.store(NS, keys, [payload_for(k) for k in keys])
+    # A hinted turn pins the conversation's three full blocks and records the manifest.
+    done = keeper.finished(SessionHint("agent-7", retain_s=600), tokens, [{"role": "user", "content": "hi"}])
+    assert done["pinned_blocks"] == 3 and done["yielded"] == []
+    assert store.pins.session_pins("acme") == {"agent-7": 3}
+    s = manifests.get("agent-7", "acme")
+    assert s.token_ids == tokens and s.pinned_until > 0 and s.namespace == NS.fingerprint().hex()
+    # A prefetch of the recorded session finds everything already in the top tier.
+    assert keeper.prefetch("agent-7") == 0 and keeper.prefetch("unknown") == 0
+    # Release lets the pin go; the blocks stay cached.
+    assert keeper.finished(SessionHint("agent-7", release=True), [])["released"] is True
+    assert store.pins.session_pins("acme") == {} and store.lookup(keys) == 3
+    store.close()

@@ -1,0 +1,68 @@
+"""`tierkv serve-engine` as a real subprocess, and the official `openai` client pointed at it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+
+from tests.integration.daemon_process import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+START_TIMEOUT_S = 300  # model load + warm-up on a busy 2-core machine
+
+
+class EngineServer:
+    """A serve-engine process on a free port; its output goes to `log`."""
+
+    def __init__(self, log: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port, self.log = free_port(), log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve-engine", "--port", str(self.port),
+                                          *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        self._wait_healthy()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.base_url + path, timeout=30) as r:
+            return r.read().decode()
+
+    def post(self, path: str) -> str:
+        req = urllib.request.Request(self.base_url + path, data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.read().decode()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve-engine exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                self.get("/health")
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"serve-engine not healthy after {START_TIMEOUT_S}s:\n{self.log.read_text()[-3000:]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

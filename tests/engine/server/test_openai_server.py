@@ -1,0 +1,159 @@
+"""`tierkv serve-engine` through the official `openai` client: an agent's
+conversation with tool pauses, session hints under eviction pressure,
+concurrent clients, streaming, errors and metrics.
+
+One server for the module: SmolLM2 in float32 (answers comparable bit for
+bit), no prefix cache inside the engine (every reuse comes from the KV
+cache service), over an embedded store of a single 48 MiB CPU tier (~66
+blocks of 16 tokens), so other traffic evicts what is not pinned.
+"""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.engine.server.engine_server import EngineServer
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+BT = 16
+SYSTEM = ("You are a travel-planning agent. You can call tools: weather(city) returns a forecast, "
+          "flights(origin, destination, date) returns options with prices, hotels(city, nights, budget) "
+          "returns rooms. Think step by step, call one tool per turn, and keep answers short. " * 3)
+TOOL_RESULTS = ["weather: Lisbon, sunny, 24 C, light wind from the north-west all week",
+                "flights: TP1350 08:10 EUR 129; FR7412 13:45 EUR 64; U27711 19:20 EUR 88",
+                "hotels: Casa Azul EUR 95 per night; Alfama Rooms EUR 72 per night; Pensao Sol EUR 58",
+                "weather: Porto, cloudy, 19 C, rain likely on Thursday afternoon"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-engine")
+    (root / "tierkv.toml").write_text('[tiers.cpu]\ncapacity = "48MiB"\n')
+    s = EngineServer(root / "server.log", "--model", MODEL, "--dtype", "float32", "--kv-connector", "local://",
+                     "--config", str(root / "tierkv.toml"), "--no-enable-prefix-caching", "--max-num-seqs", "8",
+                     env={"TIERKV_CACHE_DIR": str(root / "cache")})
+    yield s
+    s.close()
+
+
+def hints(session: str, **kw) -> dict:
+    return {"kv_transfer_params": {"tierkv": {"session": session, **kw}}}
+
+
+def ask(client: openai.OpenAI, messages: list[dict], max_tokens: int = 24, **extra):
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
+                                          extra_body=extra or None)
+
+
+def noise(client: openai.OpenAI, k: int) -> None:
+    """Other sessions' traffic: two unrelated long prompts (~50 blocks), unhinted."""
+    for j in range(2):
+        text = f"Background document {k}.{j}: " + " ".join(f"item{k}{j}{i} costs {i * 7 % 97} euros." for i in range(70))
+        ask(client, [{"role": "user", "content": text}], max_tokens=2)
+
+
+def test_a_hinted_agent_keeps_its_kv_through_pressure_and_an_unhinted_one_loses_it(server, capsys):
+    client = server.client()
+    agents = {"hinted": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": "Plan a weekend in Lisbon for two."}],
+              "plain": [{"role": "system", "content": SYSTEM.replace("travel", "trip")},
+                        {"role": "user", "content": "Plan a weekend in Porto for two."}]}
+    last: dict[str, tuple[int, int]] = {}
+    seen: dict[str, list[tuple[int, int]]] = {"hinted": [], "plain": []}
+    for turn in range(5):
+        for name, messages in agents.items():
+            # Each agent takes a turn; only the hinted one asks the cache to keep its KV over the tool pause.
+            extra = hints("agent-7", retain_s=600) if name == "hinted" else {}
+            r = ask(client, messages, **extra)
+            cached, prompt = r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens
+            if turn:
+                # The whole earlier conversation (its prompt and output, block-aligned) could have been served.
+                p, c = last[name]
+                seen[name].append((cached, (p + c - 1) // BT * BT))
+            last[name] = (prompt, r.usage.completion_tokens)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "tool", "content": TOOL_RESULTS[turn % len(TOOL_RESULTS)]}]
+        # While the agents wait on their tools, other sessions' traffic fills the CPU tier.
+        noise(client, turn)
+    with capsys.disabled():
+        for name, pairs in seen.items():
+            print(f"\n  {name} agent, turns 2-5, cached / earlier conversation tokens: "
+                  + ", ".join(f"{c}/{full}" for c, full in pairs))
+    # The hinted session kept 100% of its earlier conversation every turn; the unhinted one lost it.
+    assert all(c == full for c, full in seen["hinted"])
+    assert all(c < full // 2 for c, full in seen["plain"])
+    # The pin and the manifest are reported with the response and counted in the store.
+    r = ask(client, agents["hinted"], max_tokens=4, **hints("agent-7", retain_s=600))
+    session = r.model_extra["tierkv"]["session"]
+    assert session["pinned_blocks"] == (r.usage.prompt_tokens + r.usage.completion_tokens - 1) // BT
+    # Release lets it go: after more traffic the session's next turn is recomputed.
+    r = ask(client, agents["hinted"], max_tokens=4, **hints("agent-7", release=True))
+    assert r.model_extra["tierkv"]["session"]["released"] is True
+    noise(client, 99)
+    r = ask(client, agents["hinted"], max_tokens=4)
+    assert r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens // 2
+
+
+def test_concurrent_clients_get_their_own_answers(server):
+    client = server.client()
+    questions = [f"In one sentence, what is {x}?" for x in
+                 ("a hash chain", "paged attention", "an LRU cache", "NVMe", "S3", "a Redis cluster",
+                  "prefix caching", "a KV cache")]
+    # Each question alone first, then all eight at once from eight client threads.
+    alone = [ask(client, [{"role": "user", "content": q}], max_tokens=20).choices[0].message.content
+             for q in questions]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda q: ask(server.client(), [{"role": "user", "content": q}], max_tokens=20)
+                                 .choices[0].message.content, questions))
+    # Batched together, every client got exactly its own single-client answer (float32).
+    assert together == alone
+    assert len(set(alone)) == len(alone)
+
+
+def test_streaming_matches_the_whole_answer_and_reports_usage(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "Name three capitals of Europe."}]
+    whole = ask(client, messages, max_tokens=30)
+    # The same request streamed: deltas, a finish reason, then a usage chunk.
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # Text completions too, with a stop string that ends the text before it.
+    done = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5, 6,", max_tokens=20, temperature=0,
+                                     stop=[" 9"])
+    assert done.choices[0].finish_reason == "stop" and "9" not in done.choices[0].text
+    assert done.choices[0].text.startswith(" 7, 8,")
+
+
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server):
+    client = server.client()
+    hi = [{"role": "user", "content": "hi"}]
+    # An unknown model is a 404; too many tokens, malformed hints and bad parameters are 400s.
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-9", messages=hi)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        ask(client, hi, max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match="retain_s"):
+        ask(client, hi, **hints("agent-7", retain_s="forever"))
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=hi, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        client.completions.create(model=MODEL, prompt=[10**9])
+    # The server still answers, lists its model and shows what it served in its metrics.
+    assert ask(client, hi, max_tokens=3).choices[0].finish_reason in ("stop", "length")
+    assert [m.id for m in client.models.list()] == [MODEL]
+    metrics = server.get("/metrics")
+    for name in ("tierkv_engine_time_to_first_token_seconds_count", "tierkv_engine_inter_token_latency_seconds",
+                 "tierkv_engine_e2e_request_latency_seconds", "tierkv_engine_cached_tokens_total",
+                 "tierkv_engine_num_requests_running", "tierkv_engine_num_requests_waiting", 'tierkv_tier_hits{tier="cpu"}'):
+        assert name in metrics, name
+    # Prefetch of an unknown session queues nothing; of a recorded one, what is below the top tier.
+    assert json.loads(server.post("/v1/sessions/nobody/prefetch"))["queued_blocks"] == 0

@@ -1,0 +1,40 @@
+"""Output text as it is generated: deltas add up to the decoded output, stop strings cut it."""
+from __future__ import annotations
+
+import pytest
+
+from engine.models import resolve_model
+from engine.server.text_stream import TextStream
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_model("smollm2")), local_files_only=True)
+
+
+def feed_one_by_one(stream: TextStream, ids: list[int]) -> list[str]:
+    deltas = [stream.feed([t]) for t in ids[:-1]]
+    return deltas + [stream.feed(ids[-1:], final=True)]
+
+
+def test_deltas_add_up_to_the_text_even_through_multibyte_characters(tokenizer):
+    # A text whose characters span several byte-level tokens each.
+    text = "Grüße aus Köln: 東京タワー 🚀 and back."
+    ids = tokenizer.encode(text)
+    deltas = feed_one_by_one(TextStream(tokenizer), ids)
+    # No delta carries a broken character, and together they are the text.
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_a_stop_string_ends_the_output_before_it_even_across_tokens(tokenizer):
+    ids = tokenizer.encode("First line. Second line. END of it all")
+    stream = TextStream(tokenizer, stop=["END of", "zzz"])
+    deltas = feed_one_by_one(stream, ids)
+    # The text released stops before the stop string, none of which was ever released.
+    assert "".join(deltas) == "First line. Second line. "
+    assert stream.stopped
+    # Tokens after the stop add nothing.
+    assert stream.feed(tokenizer.encode(" more")) == ""
