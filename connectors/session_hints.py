@@ -103,8 +103,12 @@ class SessionKeeper:
     """Acts on session hints for one engine namespace over a cache client."""
 
     def __init__(self, client: Any, ns: Namespace, manifests: Manifests | None = None, tenant: str = "",
-                 model_id: str = "") -> None:
+                 model_id: str = "", durable_timeout_s: float | None = None) -> None:
+        """`durable_timeout_s`: with manifests other nodes read, a manifest is
+        recorded only after the store's writes below landed (up to this long),
+        so it never names blocks still in flight; None: no wait."""
         self.client, self.ns, self.block_bytes = client, ns, ns.payload_bytes
+        self.durable_timeout_s = durable_timeout_s
         self.manifests, self.tenant, self.model_id = manifests, tenant, model_id
         self.pins = session_pins(client)
 
@@ -132,6 +136,9 @@ class SessionKeeper:
         return self.client.prefetch(self.ns, full_blocks(self.ns, s.token_ids))
 
     def _record(self, hint: SessionHint, token_ids: Sequence[int], messages: list[dict] | None) -> None:
+        flush = getattr(self.client, "flush", None)
+        if self.durable_timeout_s and flush is not None and not flush(self.durable_timeout_s):
+            log.warning("session %s: blocks not all written below within %.0fs", hint.session, self.durable_timeout_s)
         s = self.manifests.get(hint.session, self.tenant) or Session(hint.session, tenant=self.tenant)
         s.token_ids, s.model_id = list(token_ids), self.model_id
         s.namespace, s.block_tokens = self.ns.fingerprint().hex(), self.ns.block_tokens

@@ -19,6 +19,7 @@ from engine.llm import LLM
 from tiers.types import TierUnavailableError
 
 log = logging.getLogger("tierkv.serve_engine")
+DURABLE_TIMEOUT_S = 30.0  # a shared session's manifest waits this long at most for its blocks to land below
 
 
 def add_serve_engine_args(p: argparse.ArgumentParser) -> None:
@@ -60,8 +61,10 @@ def open_server_state(args: argparse.Namespace):
         ns = llm.kv_namespace(args.block_tokens, args.tenant)
         conn = EngineConnector(client, ns, llm.page_size)
         llm.set_kv_connector(conn)
-        keeper = SessionKeeper(client, ns, session_manifests(args.kv_connector, args.config, client), args.tenant,
-                               llm.model_id)
+        manifests = session_manifests(args.kv_connector, args.config, client)
+        shared = getattr(client, "directory", None) is not None  # other nodes resume from these manifests
+        keeper = SessionKeeper(client, ns, manifests, args.tenant, llm.model_id,
+                               durable_timeout_s=DURABLE_TIMEOUT_S if shared else None)
     loop = EngineLoop(llm)
     metrics = ServerMetrics(lambda: loop.num_running, lambda: loop.num_waiting,
                             lambda: _connector_counters(conn), lambda: _tier_counters(client))
@@ -72,7 +75,8 @@ def _connector_counters(conn: EngineConnector | None) -> dict[str, int]:
     if conn is None:
         return {}
     s = conn.stats
-    return {"errors": s.errors, "blocks_loaded": s.blocks_loaded, "blocks_saved": s.blocks_saved,
+    errors = s.errors + getattr(conn.client, "errors", 0)  # a daemon's client counts its own failed calls
+    return {"errors": errors, "blocks_loaded": s.blocks_loaded, "blocks_saved": s.blocks_saved,
             "blocks_failed": s.blocks_failed}
 
 

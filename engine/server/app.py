@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -47,7 +47,6 @@ class ServerState:
     metrics: ServerMetrics
     model_name: str
     keeper: SessionKeeper | None = None
-    hint_errors: list[int] = field(default_factory=lambda: [0])  # hints the cache failed to apply
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -169,7 +168,7 @@ async def _apply_hint(state: ServerState, hint: SessionHint, tokens: list[int], 
         return await asyncio.to_thread(state.keeper.finished, hint, tokens, messages)
     except Exception as e:  # dispatch boundary: an unusable cache costs the pin, never the response
         log.exception("session %s: applying hints failed", hint.session)
-        state.hint_errors[0] += 1
+        state.metrics.hint_errors.inc()
         return {"error": str(e)}
 
 

@@ -5,7 +5,7 @@
 - ``tierkv_engine_{prompt,generation,cached,prefix_cache_hit}_tokens_total``: prompt tokens,
   generated tokens, prompt tokens loaded from the KV cache service, and those hit in
   the engine's own prefix cache;
-- ``tierkv_engine_requests_total{finish_reason}``;
+- ``tierkv_engine_requests_total{finish_reason}``, ``tierkv_engine_session_hint_errors_total``;
 - ``tierkv_engine_num_requests_{running,waiting}`` gauges, read at scrape time;
 - ``tierkv_engine_kv_cache_{errors,blocks_loaded,blocks_saved}_total``: the connector's counters (an
   unreachable cache shows here as errors while requests go on without it);
@@ -62,6 +62,7 @@ class ServerMetrics:
         self.cached = Counter(p + "cached_tokens", "prompt tokens loaded from the KV cache service", registry=r)
         self.local = Counter(p + "prefix_cache_hit_tokens", "prompt tokens hit in the engine's prefix cache",
                              registry=r)
+        self.hint_errors = Counter(p + "session_hint_errors", "session hints the cache failed to apply", registry=r)
         self.requests = Counter(p + "requests", "finished requests", ["finish_reason"], registry=r)
         Gauge(p + "num_requests_running", "requests in the running batch", registry=r).set_function(running)
         Gauge(p + "num_requests_waiting", "requests queued", registry=r).set_function(waiting)
