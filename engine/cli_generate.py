@@ -28,7 +28,8 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto: bfloat16 on CUDA and CPUs with native bfloat16 (AVX512-BF16, AMX), else float32")
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per cached block")
     p.add_argument("--tenant", default="", help="tenant whose namespace (and sessions) to use")
     p.add_argument("--config", default=None, metavar="FILE",
@@ -67,6 +68,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def open_engine(args: argparse.Namespace) -> tuple[LLM, EngineConnector | None]:
     """The engine with its connector attached (None when the cache is off or unreachable)."""
     llm = LLM(args.model, dtype=args.dtype)
+    llm.warmup()  # one-time costs of a new process stay out of the TTFT reported
     try:
         client = connect(args.kv_connector, args.config)
     except TierUnavailableError as e:

@@ -30,7 +30,8 @@ def add_serve_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, metavar="FILE", help="TOML config, as for `tierkv serve`")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto: bfloat16 on CUDA and CPUs with native bfloat16 (AVX512-BF16, AMX), else float32")
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per cached block")
     p.add_argument("--tenant", default="", help="tenant whose namespace, sessions and pin cap to use")
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests in the running batch at most")

@@ -17,6 +17,22 @@ from tiers.types import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LLAMA_FAMILY = {"llama", "mistral", "qwen2"}
+_BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16"}  # CPUs that compute in bfloat16 natively
+
+
+def auto_dtype(device: torch.device) -> str:
+    """The compute dtype "auto" means: bfloat16 on CUDA and on CPUs with
+    native bfloat16 (AVX512-BF16, AMX); float32 elsewhere, where bfloat16 is
+    emulated (a 3.6k-token prefill of SmolLM2 took 223 s in bfloat16 and 15 s
+    in float32 on an AVX2-only EPYC)."""
+    if device.type != "cpu":
+        return "bfloat16"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "bfloat16" if _BF16_CPU_FLAGS & set(flags) else "float32"
 
 
 @dataclass(slots=True)

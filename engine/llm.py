@@ -14,7 +14,7 @@ import torch
 from cache_service.blocks.keys import Namespace
 from connectors.model_id import kv_namespace, model_id_for_dir
 from engine.block_manager import BlockManager
-from engine.config import DTYPES, EngineConfig, ModelConfig
+from engine.config import DTYPES, EngineConfig, ModelConfig, auto_dtype
 from engine.kv_connector import KVConnector
 from engine.model_runner import ModelRunner
 from engine.errors import PromptError
@@ -54,13 +54,14 @@ class LLM:
                  kv_connector: KVConnector | None = None, page_size: int = 16, num_pages: int | None = None,
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, kv_cache_bytes: int = 1 << 30) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = auto_dtype(self.device) if dtype == "auto" else dtype
         if dtype not in DTYPES:
-            raise ConfigError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
+            raise ConfigError(f"dtype {dtype!r} not in {sorted(DTYPES)} or auto")
         self.path = resolve_model(model)
         self.model_id = model_id_for_dir(self.path)  # the same id vLLM's connector derives
         self.model_config = ModelConfig.from_dir(self.path)
         self.dtype, self.kv_dtype = DTYPES[dtype], dtype
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.engine_config = EngineConfig(
             page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,

@@ -30,7 +30,8 @@ def one_thread():
 def cli(*args: str, env_extra: dict | None = None) -> dict:
     """Run `tierkv generate ... --json` in a new process and parse its answer."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    out = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--json", *args],
+    dtype = [] if "--dtype" in args else ["--dtype", "bfloat16"]  # as the in-process engines here
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--json", *dtype, *args],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
