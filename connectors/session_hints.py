@@ -86,17 +86,31 @@ class SessionHint:
 
 
 class SessionPins(Protocol):
-    """What a cache offers for session pins (the embedded store's `pins`, or the daemon's client)."""
+    """What a cache offers for session pins (the daemon's client, or `StorePins` over an embedded store)."""
 
-    def pin_session(self, tenant: str, session: str, hashes: Sequence[BlockHash], ttl_s: float | None,
-                    block_bytes: int) -> list[str]: ...
+    def pin_session(self, tenant: str, session: str, ns: Namespace, hashes: Sequence[BlockHash],
+                    ttl_s: float | None) -> list[str]: ...
 
     def unpin_session(self, tenant: str, session: str) -> bool: ...
 
 
+class StorePins:
+    """`SessionPins` of an embedded store: its pin book (cache_service/store/pins.py)."""
+
+    def __init__(self, store: Any) -> None:
+        self.book = store.pins
+
+    def pin_session(self, tenant: str, session: str, ns: Namespace, hashes: Sequence[BlockHash],
+                    ttl_s: float | None) -> list[str]:
+        return self.book.pin_session(tenant, session, hashes, ttl_s, ns.payload_bytes)
+
+    def unpin_session(self, tenant: str, session: str) -> bool:
+        return self.book.unpin_session(tenant, session)
+
+
 def session_pins(client: Any) -> SessionPins:
-    """The session-pin side of a cache client: the embedded store keeps them in its `pins`."""
-    return getattr(client, "pins", client)
+    """The session-pin side of a cache client: the daemon's client pins itself; an embedded store, in its book."""
+    return client if hasattr(client, "pin_session") else StorePins(client)
 
 
 class SessionKeeper:
@@ -107,7 +121,7 @@ class SessionKeeper:
         """`durable_timeout_s`: with manifests other nodes read, a manifest is
         recorded only after the store's writes below landed (up to this long),
         so it never names blocks still in flight; None: no wait."""
-        self.client, self.ns, self.block_bytes = client, ns, ns.payload_bytes
+        self.client, self.ns = client, ns
         self.durable_timeout_s = durable_timeout_s
         self.manifests, self.tenant, self.model_id = manifests, tenant, model_id
         self.pins = session_pins(client)
@@ -121,7 +135,7 @@ class SessionKeeper:
             done["released"] = self.pins.unpin_session(self.tenant, hint.session)
         elif hint.retain_s is not None:
             keys = full_blocks(self.ns, token_ids)
-            done["yielded"] = self.pins.pin_session(self.tenant, hint.session, keys, hint.retain_s, self.block_bytes)
+            done["yielded"] = self.pins.pin_session(self.tenant, hint.session, self.ns, keys, hint.retain_s)
             done["pinned_blocks"] = len(keys)
         if self.manifests is not None and not hint.release:
             self._record(hint, token_ids, messages)

@@ -240,6 +240,42 @@ class PinReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PinSessionRequest(_message.Message):
+    __slots__ = ("ns", "session_id", "hashes", "ttl_s", "release")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    session_id: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    ttl_s: float
+    release: bool
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., release: _Optional[bool] = ...) -> None: ...
+
+class PinSessionReply(_message.Message):
+    __slots__ = ("yielded", "released")
+    YIELDED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    yielded: _containers.RepeatedScalarFieldContainer[str]
+    released: bool
+    def __init__(self, yielded: _Optional[_Iterable[str]] = ..., released: _Optional[bool] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("ns", "hashes")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PrefetchReply(_message.Message):
+    __slots__ = ("queued",)
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    queued: int
+    def __init__(self, queued: _Optional[int] = ...) -> None: ...
+
 class Session(_message.Message):
     __slots__ = ("session_id", "tenant", "model_id", "namespace", "messages_json", "token_ids", "updated_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -89,6 +89,16 @@ class TierKVStub:
                 request_serializer=proto_dot_tierkv__pb2.BlocksRequest.SerializeToString,
                 response_deserializer=proto_dot_tierkv__pb2.PinReply.FromString,
                 _registered_method=True)
+        self.PinSession = channel.unary_unary(
+                '/tierkv.v1.TierKV/PinSession',
+                request_serializer=proto_dot_tierkv__pb2.PinSessionRequest.SerializeToString,
+                response_deserializer=proto_dot_tierkv__pb2.PinSessionReply.FromString,
+                _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/tierkv.v1.TierKV/Prefetch',
+                request_serializer=proto_dot_tierkv__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=proto_dot_tierkv__pb2.PrefetchReply.FromString,
+                _registered_method=True)
         self.SaveSession = channel.unary_unary(
                 '/tierkv.v1.TierKV/SaveSession',
                 request_serializer=proto_dot_tierkv__pb2.SaveSessionRequest.SerializeToString,
@@ -185,6 +195,18 @@ class TierKVServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefetch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SaveSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -272,6 +294,16 @@ def add_TierKVServicer_to_server(servicer, server):
                     servicer.Unpin,
                     request_deserializer=proto_dot_tierkv__pb2.BlocksRequest.FromString,
                     response_serializer=proto_dot_tierkv__pb2.PinReply.SerializeToString,
+            ),
+            'PinSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinSession,
+                    request_deserializer=proto_dot_tierkv__pb2.PinSessionRequest.FromString,
+                    response_serializer=proto_dot_tierkv__pb2.PinSessionReply.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=proto_dot_tierkv__pb2.PrefetchRequest.FromString,
+                    response_serializer=proto_dot_tierkv__pb2.PrefetchReply.SerializeToString,
             ),
             'SaveSession': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveSession,
@@ -596,6 +628,60 @@ class TierKV:
             '/tierkv.v1.TierKV/Unpin',
             proto_dot_tierkv__pb2.BlocksRequest.SerializeToString,
             proto_dot_tierkv__pb2.PinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierkv.v1.TierKV/PinSession',
+            proto_dot_tierkv__pb2.PinSessionRequest.SerializeToString,
+            proto_dot_tierkv__pb2.PinSessionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierkv.v1.TierKV/Prefetch',
+            proto_dot_tierkv__pb2.PrefetchRequest.SerializeToString,
+            proto_dot_tierkv__pb2.PrefetchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -29,7 +29,7 @@ from cache_service.server.metrics import Metrics
 from cache_service.protocol.batches import per_bytes, split
 from cache_service.blocks.objects import adopt, object_size
 from cache_service.server.rpc import rpc
-from cache_service.sessions.manifests import SessionManager
+from cache_service.sessions.manifests import SessionManager, check_id
 from cache_service.protocol.segment import DATA_OFFSET, host_id
 from cache_service.server.attachments import Attachments
 from cache_service.store.tiered_store import TieredStore
@@ -216,6 +216,22 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         _, keys = self._blocks(request, tenant, need_ns=False)
         self.store.pins.unpin(keys)
         return pb.PinReply()
+
+    @rpc
+    def PinSession(self, request, context, tenant):
+        check_id(request.session_id)
+        owner = tenant or ""
+        if request.release:
+            return pb.PinSessionReply(released=self.store.pins.unpin_session(owner, request.session_id))
+        ns, keys = self._blocks(request, tenant)
+        yielded = self.store.pins.pin_session(owner, request.session_id, keys,
+                                              request.ttl_s if request.ttl_s > 0 else None, ns.payload_bytes)
+        return pb.PinSessionReply(yielded=yielded)
+
+    @rpc
+    def Prefetch(self, request, context, tenant):
+        ns, keys = self._blocks(request, tenant)
+        return pb.PrefetchReply(queued=self.store.prefetch(ns, keys))
 
     @rpc
     def Stats(self, request, context, tenant):

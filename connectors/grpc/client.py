@@ -234,6 +234,21 @@ class GrpcClient:
     def unpin(self, hashes: Sequence[BlockHash], ns: Namespace | None = None) -> None:
         self.admin("Unpin", pb.BlocksRequest(hashes=list(hashes), ns=_ns(ns) if ns else None))
 
+    def pin_session(self, tenant: str, session: str, ns: Namespace, hashes: Sequence[BlockHash],
+                    ttl_s: float | None) -> list[str]:
+        """Pin a session's blocks in the daemon (its tenant is the token's; `tenant` is the embedded store's
+        argument, unused here); returns the sessions whose pins yielded to the tenant's cap."""
+        reply = self.admin("PinSession", pb.PinSessionRequest(ns=_ns(ns), session_id=session, hashes=list(hashes),
+                                                              ttl_s=ttl_s or 0.0))
+        return list(reply.yielded)
+
+    def unpin_session(self, tenant: str, session: str) -> bool:
+        return self.admin("PinSession", pb.PinSessionRequest(session_id=session, release=True)).released
+
+    def prefetch(self, ns: Namespace, hashes: Sequence[BlockHash]) -> int:
+        """Have the daemon promote blocks held below its top tier; how many it queued."""
+        return self.admin("Prefetch", pb.PrefetchRequest(ns=_ns(ns), hashes=list(hashes))).queued
+
     def close(self) -> None:
         if self._data_path is not None:
             self._data_path.close()

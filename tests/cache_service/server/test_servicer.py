@@ -166,6 +166,29 @@ def test_delete_and_pins(start):
         assert c.delete(hashes(20, start=900)) > 0 and c.lookup(hashes(20, start=900)) == 0
 
 
+def test_session_pins_and_prefetch_through_the_daemon(start):
+    d = start(cpu_blocks=16, disk=True)
+    with GrpcClient(url(d)) as c:
+        keep, rest = hashes(4), hashes(40, start=500)
+        put(c, keep)
+        # A session pins its blocks; a flood through the CPU tier leaves them there.
+        assert c.pin_session("", "agent-7", NS, keep, 60) == []
+        for i in range(0, 40, 8):
+            put(c, rest[i:i + 8])
+        d.store.flush()
+        assert d.store.tiers[0].contains_many(keep) == [True] * 4
+        # Early flood blocks went down to disk; a prefetch brings them back up.
+        early = rest[:2]
+        assert d.store.tiers[0].contains_many(early) == [False, False]
+        assert c.prefetch(NS, early) == 2
+        d.store.flush()
+        assert d.store.tiers[0].contains_many(early) == [True, True]
+        # Release answers whether there was a pin; a malformed session id is refused.
+        assert c.unpin_session("", "agent-7") is True and c.unpin_session("", "agent-7") is False
+        with pytest.raises(Exception, match="session id"):
+            c.pin_session("", "../x", NS, keep, 60)
+
+
 # ------------------------------------------------------------------ sessions
 def test_sessions_save_resume_pin_and_delete(start):
     d = start(cpu_blocks=16, disk=False)
