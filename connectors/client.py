@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Protocol, Sequence
 from urllib.parse import parse_qs, urlsplit
 
 import torch
 
 from cache_service.config import Config, default_cache_dir, load_config
-from cache_service.factory import open_store
+from cache_service.factory import open_sessions, open_store
 from cache_service.blocks.keys import Namespace
+from cache_service.sessions.manifests import Manifests
 from tiers.types import BlockHash, ConfigError, TierKVError, TierUnavailableError
 
 log = logging.getLogger("tierkv.client")
@@ -64,6 +66,15 @@ def local_config(url: str, config_file: str | os.PathLike | None = None) -> Conf
         for t in ([tier] if tier else ["cpu", "disk"]):
             tiers.setdefault(t, {})[field] = values[-1]
     return load_config(config_file, overrides={"tiers": tiers})
+
+
+def session_manifests(url: str, config_file: str | os.PathLike | None, client: object = None) -> Manifests:
+    """Where a cache's session manifests live: shared (Redis + S3) when the
+    config has a ``[directory]``, else files next to the local store."""
+    cfg = local_config(url, config_file) if url.startswith("local://") else load_config(config_file)
+    root = Path(cfg.tiers.disk.path) if url.startswith("local://") and cfg.tiers.disk is not None \
+        else default_cache_dir() / "store"
+    return open_sessions(cfg, root, client)
 
 
 def connect(url: str, config_file: str | os.PathLike | None = None) -> CacheClient | None:

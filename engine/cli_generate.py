@@ -8,10 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from cache_service.config import default_cache_dir, load_config
-from cache_service.factory import open_sessions
+from cache_service.config import default_cache_dir
 from cache_service.sessions.manifests import Session, SessionStore
-from connectors.client import connect, local_config
+from connectors.client import connect, session_manifests
 from connectors.engine import EngineConnector
 from engine.llm import LLM, RequestOutput, SamplingParams
 from tiers.types import TierKVError, TierUnavailableError
@@ -155,15 +154,6 @@ def _session(args: argparse.Namespace, llm: LLM) -> tuple[SessionStore | None, S
     if s.model_id and s.model_id != llm.model_id:
         raise TierKVError(f"session {args.session!r} belongs to model {s.model_id}, not {llm.model_id}")
     return sessions, s
-
-
-def session_manifests(url: str, config_file: str | None, client: object = None) -> SessionStore:
-    """Where a cache's session manifests live: shared (Redis + S3) when the
-    config has a ``[directory]``, else files next to the local store."""
-    cfg = local_config(url, config_file) if url.startswith("local://") else load_config(config_file)
-    root = Path(cfg.tiers.disk.path) if url.startswith("local://") and cfg.tiers.disk is not None \
-        else default_cache_dir() / "store"
-    return open_sessions(cfg, root, client)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -11,10 +11,9 @@ import logging
 import sys
 
 from cache_service.config import parse_size
-from connectors.client import connect
+from connectors.client import connect, session_manifests
 from connectors.engine import EngineConnector
 from connectors.session_hints import SessionKeeper
-from engine.cli_generate import session_manifests
 from engine.llm import LLM
 from tiers.types import TierUnavailableError
 

@@ -74,6 +74,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from cache_service.blocks.keys import KV_DTYPES, Namespace
 from connectors.model_id import kv_namespace
 from connectors.vllm.clients import acquire, close_all, release
+from connectors.vllm.hints import VllmSessionHints, hint_manifests
 from connectors.vllm.pages import CpuPageLayout
 from connectors.vllm.scheduler import SchedulerSide, TierKVConfig, Transfer
 from connectors.vllm.worker import WorkerSide
@@ -240,6 +241,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self._closed = False
         self._reported: dict[str, float] = {}
         self.scheduler: SchedulerSide | None = None
+        self.hints: VllmSessionHints | None = None
         self.worker: WorkerSide | None = None
         _instances.add(self)
         if self.client is None:
@@ -250,6 +252,8 @@ class TierKVConnector(KVConnectorBase_V1):
             # vLLM reads the policy after building the scheduler's connector
             self._kv_transfer_config.kv_load_failure_policy = self.cfg.load_failure
             self.scheduler = SchedulerSide(self.client, self.ns, self.page_tokens)
+            manifests = hint_manifests(self.cfg.url, self.cfg.config, self.client)
+            self.hints = VllmSessionHints(self.client, self.scheduler.namespace, manifests, self.cfg.tenant)
         log.info("tierkv: %s connector on %s, namespace %s (%s)", role.name.lower(), self.cfg.url,
                  self.ns.fingerprint().hex(), self.ns.model_id)
 
@@ -329,6 +333,8 @@ class TierKVConnector(KVConnectorBase_V1):
         if self.scheduler is None or tenant is None:
             return 0, False
         n = self.scheduler.matched_tokens(request.request_id, request.all_token_ids, num_computed_tokens, tenant)
+        if num_computed_tokens == 0 and request.kv_transfer_params:  # first sight of the request
+            self.hints.arrived(request.kv_transfer_params, tenant)
         return n, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -360,12 +366,18 @@ class TierKVConnector(KVConnectorBase_V1):
         if self.scheduler is None:
             return False, None
         saving = self.scheduler.finished(request.request_id)
+        tenant = _request_tenant(request, self.cfg.tenant)
+        if request.kv_transfer_params and tenant is not None:
+            self.hints.finished(request.kv_transfer_params, tenant,
+                                request.all_token_ids[:request.num_computed_tokens])
         return saving and self.async_save, None  # True: vLLM frees the pages once get_finished says so
 
     # ================================================================ both
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
+            if self.hints is not None:
+                self.hints.close()
             if self.worker is not None and self.worker.saves is not None:
                 if not self.worker.saves.close():
                     log.warning("tierkv: saves still running at shutdown were abandoned")

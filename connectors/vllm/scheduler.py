@@ -36,6 +36,7 @@ class TierKVConfig:
     tenant: str = ""
     load_failure: str = "recompute"
     async_save: bool | str = "auto"  # auto: asynchronous when vLLM's KV cache is on a GPU
+    config: str = ""  # the TOML file `tierkv serve` reads: where session manifests live (session hints)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -43,6 +44,8 @@ class TierKVConfig:
         bt = self.block_tokens
         if isinstance(bt, bool) or not isinstance(bt, int) or bt <= 0:
             raise ConfigError(f"kv_connector_extra_config.block_tokens must be a positive int, got {bt!r}")
+        if not isinstance(self.config, str):
+            raise ConfigError(f"kv_connector_extra_config.config must be a path, got {self.config!r}")
         if not isinstance(self.tenant, str):
             raise ConfigError(f"kv_connector_extra_config.tenant must be a string, got {self.tenant!r}")
         if not isinstance(self.async_save, bool) and self.async_save != "auto":

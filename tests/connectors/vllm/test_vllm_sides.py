@@ -310,3 +310,36 @@ def test_async_save_of_a_request_whose_load_failed_is_skipped_but_reported(clien
     # the scheduler planned a save for it, so vLLM waits for it: it is reported when finished
     assert worker.saves.finished({"r", "never-saved"}) == {"r"}
     worker.saves.close()
+
+
+# ------------------------------------------------------------------ session hints
+def test_session_hints_of_vllm_requests_pin_release_and_prefetch(tmp_path):
+    from cache_service.sessions.manifests import SessionStore
+    from connectors.prefix import full_blocks
+    from connectors.vllm.hints import VllmSessionHints
+    from tests.cache_service.store.store_helpers import NS, make_store, payload_for
+
+    store = make_store(tmp_path, cpu_blocks=64)
+    hints = VllmSessionHints(store, lambda tenant: NS, SessionStore(tmp_path / "m"))
+    tokens = list(range(5 * NS.block_tokens))
+    keys = full_blocks(NS, tokens)
+    store.store(NS, keys, [payload_for(k) for k in keys])
+    retain = {"tierkv": {"session": "agent-7", "retain_s": 600}}
+
+    # A finished request with a retain hint pins its computed tokens' blocks and records the session.
+    hints.finished(retain, "", tokens)
+    hints.drain()
+    assert store.pins.session_pins("") == {"agent-7": 5}
+    assert hints.manifests.get("agent-7").token_ids == tokens
+    # A prefetch hint on arrival promotes the recorded session (already on top here: nothing to queue).
+    hints.arrived({"tierkv": {"session": "agent-7", "prefetch": True}}, "")
+    hints.drain()
+    # Malformed hints are logged and counted; requests without hints do nothing.
+    hints.finished({"tierkv": {"session": "agent-7", "retain_s": "long"}}, "", tokens)
+    hints.finished({"other": 1}, "", tokens)
+    assert hints.errors == 1
+    # Release lets the pin go.
+    hints.finished({"tierkv": {"session": "agent-7", "release": True}}, "", [])
+    hints.close()
+    assert store.pins.session_pins("") == {} and hints.applied == 3
+    store.close()
