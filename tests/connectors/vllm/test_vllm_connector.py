@@ -19,7 +19,6 @@ parts are tested in test_vllm_sides.py.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 from cache_service.blocks.keys import Namespace, prefix_hashes
 from connectors.client import connect
 from tests.connectors.vllm.oracle import blocks_as_tokens, same, tokens
+from tests.connectors.vllm.conftest import child_env
 from tests.integration.conftest import in_ci
 
 REPO = Path(__file__).resolve().parents[3]
@@ -40,26 +40,6 @@ REPO = Path(__file__).resolve().parents[3]
 X, Y, Z = tokens(700, 11), tokens(600, 12), tokens(520, 13)
 Y_BAD_BLOCK = 20  # tokens 320-335: vLLM page 2 of Y
 MAX_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    """The vLLM venv's python, made (or updated) by scripts/vllm-venv.sh."""
-    venv = Path(os.environ.get("TIERKV_VLLM_VENV", ".venv-vllm"))
-    py = (venv if venv.is_absolute() else REPO / venv) / "bin" / "python"
-    res = subprocess.run(["bash", str(REPO / "scripts" / "vllm-venv.sh")], cwd=REPO, capture_output=True,
-                         text=True, timeout=1800)
-    if res.returncode != 0 or not py.exists():
-        msg = f"vLLM venv unavailable (scripts/vllm-venv.sh rc={res.returncode}): {res.stdout[-800:]} {res.stderr[-800:]}"
-        pytest.fail(msg) if in_ci() else pytest.skip(msg)
-    return py
-
-
-def child_env() -> dict[str, str]:
-    cpus = sorted(os.sched_getaffinity(0))
-    bind = f"{cpus[0]}-{cpus[-1]}" if cpus[-1] - cpus[0] + 1 == len(cpus) else ",".join(map(str, cpus))
-    return dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                VLLM_CPU_OMP_THREADS_BIND=bind, PYTHONPATH=str(REPO))
 
 
 def run_vllm(py: Path, out: Path, spec: dict) -> tuple[dict, dict]:

