@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 
+from engine.models import resolve_model
 from tests.engine.server.engine_server import EngineServer
 from tests.integration.daemon_process import DaemonProcess, free_port
 
@@ -50,7 +51,8 @@ def test_a_session_begun_on_one_server_continues_on_another(s3_server, s3_bucket
     for node in ("a", "b"):
         cfg = tmp_path / f"{node}.toml"
         cfg.write_text(toml(s3_server, s3_bucket, redis_url, prefix, node, tmp_path / f"disk-{node}"))
-        servers[node] = EngineServer(tmp_path / f"{node}.log", "--model", MODEL, "--dtype", "float32",
+        servers[node] = EngineServer(tmp_path / f"{node}.log", "--model", str(resolve_model(MODEL)),
+                                     "--served-model-name", MODEL, "--dtype", "float32",
                                      "--kv-connector", "local://", "--config", str(cfg), "--no-enable-prefix-caching",
                                      env={"TIERKV_CACHE_DIR": str(tmp_path / f"cache-{node}")})
     try:

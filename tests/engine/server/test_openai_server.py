@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from engine.models import resolve_model
 from tests.engine.server.engine_server import EngineServer
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,9 @@ TOOL_RESULTS = ["weather: Lisbon, sunny, 24 C, light wind from the north-west al
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-engine")
     (root / "tierkv.toml").write_text('[tiers.cpu]\ncapacity = "48MiB"\n')
-    s = EngineServer(root / "server.log", "--model", MODEL, "--dtype", "float32", "--kv-connector", "local://",
+    # the model by its directory: TIERKV_CACHE_DIR (where this server's sessions go) also holds converted models
+    s = EngineServer(root / "server.log", "--model", str(resolve_model(MODEL)), "--served-model-name", MODEL,
+                     "--dtype", "float32", "--kv-connector", "local://",
                      "--config", str(root / "tierkv.toml"), "--no-enable-prefix-caching", "--max-num-seqs", "8",
                      env={"TIERKV_CACHE_DIR": str(root / "cache")})
     yield s
