@@ -102,8 +102,8 @@ async def _complete(state: ServerState, body: api._Common, prompts: list[list[in
               for ids in prompts for k in range(body.n)]
     gen = Generation(state.loop, state.metrics, state.llm.tokenizer, [ids for ids in prompts for _ in range(body.n)],
                      params, body.stop)
-    if hint is not None and hint.prefetch and state.keeper is not None:
-        asyncio.get_running_loop().run_in_executor(None, state.keeper.prefetch, hint.session)
+    if hint is not None and hint.prefetch and state.keeper is not None:  # in the background: the request goes on
+        asyncio.get_running_loop().run_in_executor(None, _prefetch, state, hint.session)
     rid = api.new_id(id_prefix)
     if body.stream:
         return StreamingResponse(_sse(state, gen, body, kind, rid, hint, messages), media_type="text/event-stream")
@@ -170,6 +170,14 @@ async def _apply_hint(state: ServerState, hint: SessionHint, tokens: list[int], 
         log.exception("session %s: applying hints failed", hint.session)
         state.metrics.hint_errors.inc()
         return {"error": str(e)}
+
+
+def _prefetch(state: ServerState, session: str) -> None:
+    try:
+        state.keeper.prefetch(session)
+    except Exception:  # dispatch boundary: a prefetch the cache cannot do costs the prefetch only
+        log.exception("session %s: prefetch failed", session)
+        state.metrics.hint_errors.inc()
 
 
 def _usage(gen: Generation) -> dict:

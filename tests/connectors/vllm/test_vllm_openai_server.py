@@ -20,6 +20,7 @@ import pytest
 
 from engine.models import resolve_model
 from tests.connectors.vllm.conftest import REPO, child_env
+from tests.engine.server.agent_story import agents_under_pressure, report
 from tests.integration.daemon_process import DaemonProcess, free_port
 
 pytestmark = pytest.mark.slow
@@ -86,24 +87,13 @@ def test_session_hints_under_vllms_own_server(vllm_server, capsys):
     agents = {"hinted": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Find NVMe sizes."}],
               "plain": [{"role": "system", "content": SYSTEM.replace("research", "survey")},
                         {"role": "user", "content": "Find S3 prices."}]}
-    last, seen = {}, {"hinted": [], "plain": []}
-    for turn in range(5):
-        for name, messages in agents.items():
-            # The hinted agent asks the cache to keep its KV over each tool pause.
-            r = ask(client, messages, **({"retain_s": 600} if name == "hinted" else {}))
-            if turn:
-                p, c = last[name]
-                seen[name].append((r.usage.prompt_tokens_details.cached_tokens, (p + c - 1) // ALIGN * ALIGN))
-            last[name] = (r.usage.prompt_tokens, r.usage.completion_tokens)
-            messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                         {"role": "tool", "content": TOOLS[turn]}]
-        # Other sessions' traffic overflows the daemon's CPU tier during the tool pauses.
-        if turn < 4:
-            noise(client, turn)
+    # The hinted agent asks the cache to keep its KV over each tool pause; other sessions' traffic
+    # overflows the daemon's CPU tier during the pauses.
+    seen = agents_under_pressure(
+        lambda name, msgs: ask(client, msgs, **({"retain_s": 600} if name == "hinted" else {})),
+        lambda turn: noise(client, turn), agents, TOOLS, turns=5, align=ALIGN)
     with capsys.disabled():
-        for name, pairs in seen.items():
-            print(f"\n  vLLM, {name} agent, turns 2-5, cached / earlier conversation tokens: "
-                  + ", ".join(f"{c}/{full}" for c, full in pairs))
+        print(report(seen, "vLLM"))
     # Under vLLM too, the hinted session kept its whole earlier conversation; the unhinted one lost it.
     assert all(c == full for c, full in seen["hinted"])
     assert all(c < full // 2 for c, full in seen["plain"])

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from engine.models import resolve_model
+from tests.engine.server.agent_story import agents_under_pressure, report
 from tests.engine.server.engine_server import EngineServer
 
 pytestmark = pytest.mark.slow
@@ -65,27 +66,13 @@ def test_a_hinted_agent_keeps_its_kv_through_pressure_and_an_unhinted_one_loses_
                          {"role": "user", "content": "Plan a weekend in Lisbon for two."}],
               "plain": [{"role": "system", "content": SYSTEM.replace("travel", "trip")},
                         {"role": "user", "content": "Plan a weekend in Porto for two."}]}
-    last: dict[str, tuple[int, int]] = {}
-    seen: dict[str, list[tuple[int, int]]] = {"hinted": [], "plain": []}
-    for turn in range(5):
-        for name, messages in agents.items():
-            # Each agent takes a turn; only the hinted one asks the cache to keep its KV over the tool pause.
-            extra = hints("agent-7", retain_s=600) if name == "hinted" else {}
-            r = ask(client, messages, **extra)
-            cached, prompt = r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens
-            if turn:
-                # The whole earlier conversation (its prompt and output, block-aligned) could have been served.
-                p, c = last[name]
-                seen[name].append((cached, (p + c - 1) // BT * BT))
-            last[name] = (prompt, r.usage.completion_tokens)
-            messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                         {"role": "tool", "content": TOOL_RESULTS[turn % len(TOOL_RESULTS)]}]
-        # While the agents wait on their tools, other sessions' traffic fills the CPU tier.
-        noise(client, turn)
+    # Each agent takes a turn; only the hinted one asks the cache to keep its KV over the tool pause;
+    # while they wait on their tools, other sessions' traffic fills the CPU tier.
+    seen = agents_under_pressure(
+        lambda name, msgs: ask(client, msgs, **(hints("agent-7", retain_s=600) if name == "hinted" else {})),
+        lambda turn: noise(client, turn), agents, TOOL_RESULTS, turns=5, align=BT)
     with capsys.disabled():
-        for name, pairs in seen.items():
-            print(f"\n  {name} agent, turns 2-5, cached / earlier conversation tokens: "
-                  + ", ".join(f"{c}/{full}" for c, full in pairs))
+        print(report(seen, "serve-engine"))
     # The hinted session kept 100% of its earlier conversation every turn; the unhinted one lost it.
     assert all(c == full for c, full in seen["hinted"])
     assert all(c < full // 2 for c, full in seen["plain"])
