@@ -6,7 +6,7 @@ is replayed through each system's OpenAI server with the `openai` client at each
 own KV cache (and our engine's) is sized below the sessions' working set, so reuse has to come from the tiers.
 
 SLOs come from the unloaded cold baseline, measured first on vLLM alone: TTFT at most the cold TTFT of a
-median-context prompt, TPOT at most twice the unloaded TPOT. Goodput: requests meeting both, per second of
+median-context prompt, TPOT at most 4x the unloaded TPOT. Goodput: requests meeting both, per second of
 the run. Hit rate: cached prompt tokens over the earlier conversation of each resumed turn (aligned to the
 system's load granularity). Outputs: greedy texts per (session, turn) against vLLM alone.
 
@@ -34,6 +34,8 @@ from bench._procs import free_port, wait_port  # noqa: E402
 MODEL = "smollm2"
 VLLM_PAGE = 128  # vLLM's CPU block size: its prefix cache and connectors load whole pages
 MAX_MODEL_LEN = {True: 3072, False: 6144}  # by --quick: the trace's longest conversation (a sub-agent's) fits
+TPOT_SLO_FACTOR = 4  # a batch of up to 8 decoding sessions shares 2 cores: 4x the unloaded TPOT is still fluent
+CACHE_MEMORY_GIB = 0.25  # the tierkv daemon's CPU tier and LMCache's L1, alike: below the trace's unique KV (disk below)
 BYTES_PER_TOKEN = {"float32": 46_080, "bfloat16": 23_040}  # SmolLM2: 30 layers x K,V x 3 heads x 64
 
 
@@ -61,8 +63,8 @@ SYSTEMS = [System("vllm"), System("vllm_offloading", connector="offloading"),
            System("upper_bound", big_kv=True)]
 
 
-# --quick: one rate, 8 short sessions, the systems its figures compare (each vLLM start costs 25-35 s here)
-QUICK = replace(TraceShape(), sessions=8, turns=(3, 4), system_tokens=600, tool_tokens=(100, 300),
+# --quick: one rate, 6 short sessions, the systems its figures compare (each vLLM start costs 25-35 s here)
+QUICK = replace(TraceShape(), sessions=6, turns=(3, 4), system_tokens=600, tool_tokens=(100, 300),
                 output_tokens=(16, 32))
 QUICK_SYSTEMS = ["vllm", "vllm_lmcache", "vllm_tierkv", "vllm_tierkv_hints"]
 
@@ -108,8 +110,8 @@ class Run:
     def _cache(self, connector: str) -> str:
         if connector == "tierkv":  # the daemon: memory over disk
             port, cfg = free_port(), self.work / "tierkv.toml"
-            cfg.write_text(f'[tiers.cpu]\ncapacity = "1GiB"\n[tiers.disk]\npath = "{self.work}/tierkv-disk"\n'
-                           f'capacity = "20GiB"\n')
+            cfg.write_text(f'[tiers.cpu]\ncapacity = "{int(CACHE_MEMORY_GIB * 1024)}MiB"\n[tiers.disk]\n'
+                           f'path = "{self.work}/tierkv-disk"\ncapacity = "20GiB"\n')
             self._spawn([sys.executable, "-m", "engine.cli", "serve", "--config", str(cfg), "--listen",
                          f"127.0.0.1:{port}"], dict(os.environ))
             wait_port(port, self.procs[-1], "tierkv daemon")
@@ -118,7 +120,7 @@ class Run:
             port = free_port()
             l2 = json.dumps({"type": "fs", "base_path": str(self.work / "lmcache")})
             self._spawn([str(self.venv_py.parent / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
-                         "--chunk-size", str(VLLM_PAGE), "--l1-size-gb", "1", "--no-l1-use-lazy", "--eviction-policy",
+                         "--chunk-size", str(VLLM_PAGE), "--l1-size-gb", str(CACHE_MEMORY_GIB), "--no-l1-use-lazy", "--eviction-policy",
                          "LRU", "--supported-transfer-mode", "auto", "--disable-observability", "--http-port",
                          str(free_port()), "--shm-name", f"tierkv-agentic-{os.getpid()}", "--l2-adapter", l2],
                         dict(os.environ))
@@ -171,7 +173,7 @@ def slo_baseline(base: str, shape: TraceShape) -> dict[str, float]:
         if chunk.choices and chunk.choices[0].delta.content:
             times.append(time.perf_counter())
     ttft, tpot = times[0] - t0, (times[-1] - times[0]) / max(1, len(times) - 1)
-    return {"ttft_slo_s": round(ttft, 3), "tpot_slo_s": round(2 * tpot, 4), "cold_ttft_s": round(ttft, 3),
+    return {"ttft_slo_s": round(ttft, 3), "tpot_slo_s": round(TPOT_SLO_FACTOR * tpot, 4), "cold_ttft_s": round(ttft, 3),
             "unloaded_tpot_s": round(tpot, 4)}
 
 
@@ -268,7 +270,7 @@ def plot(table: dict[tuple[str, float], dict], rates: list[float], path: str) ->
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one rate, 5 sessions of 3-4 turns (under 5 minutes)")
+    ap.add_argument("--quick", action="store_true", help="one rate, 6 sessions of 3-4 turns, 4 systems (about 5 minutes)")
     ap.add_argument("--rates", default=None, help="session arrivals per second, comma-separated")
     ap.add_argument("--systems", default=None, help="comma-separated subset of: " + ", ".join(s.name for s in SYSTEMS))
     ap.add_argument("--plot", default=None, metavar="PNG")
@@ -304,7 +306,10 @@ def main() -> int:
     for k, v in agree.items():
         print(f"outputs equal to vLLM alone's: {k[0]} at {k[1]}: {v:.3f}")
     if args.plot:
-        plot(table, rates, args.plot)
+        try:
+            plot(table, rates, args.plot)
+        except ImportError:
+            print("--plot needs matplotlib: pip install -e '.[bench]'", file=sys.stderr)
     print(f"took {time.perf_counter() - t0:.0f} s")
     print(json.dumps(summary(table, rates, all(v == 1.0 for k, v in agree.items() if k[0].startswith("vllm_")))))
     return 0
