@@ -31,6 +31,14 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1, le=16)
     ignore_eos: bool = False  # vLLM's extension, for benchmarks
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's field; our session hints live under "tierkv"
+    logprobs: bool | int | None = None  # not supported: refused rather than silently ignored
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | int | None) -> None:
+        if v:
+            raise ValueError("logprobs are not supported by this server")
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -72,6 +80,13 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported by this server")
+        return v
 
     @field_validator("prompt")
     @classmethod

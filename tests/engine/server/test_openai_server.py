@@ -137,6 +137,11 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server):
         client.chat.completions.create(model=MODEL, messages=hi, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="prompt"):
         client.completions.create(model=MODEL, prompt=[10**9])
+    # What the server does not do is refused, not silently ignored.
+    with pytest.raises(openai.BadRequestError, match="logprobs are not supported"):
+        client.chat.completions.create(model=MODEL, messages=hi, logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="echo is not supported"):
+        client.completions.create(model=MODEL, prompt="hi", echo=True)
     # The server still answers, lists its model and shows what it served in its metrics.
     assert ask(client, hi, max_tokens=3).choices[0].finish_reason in ("stop", "length")
     assert [m.id for m in client.models.list()] == [MODEL]
