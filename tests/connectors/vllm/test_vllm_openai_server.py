@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
@@ -21,6 +18,7 @@ import pytest
 from engine.models import resolve_model
 from tests.connectors.vllm.conftest import REPO, child_env
 from tests.engine.server.agent_story import agents_under_pressure, report
+from tests.engine.server.engine_server import wait_healthy
 from tests.integration.daemon_process import DaemonProcess, free_port
 
 pytestmark = pytest.mark.slow
@@ -46,7 +44,7 @@ def vllm_server(vllm_python, tmp_path_factory):
     log = open(root / "vllm.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_healthy(proc, port, root / "vllm.log")
+        wait_healthy(f"http://127.0.0.1:{port}", proc, root / "vllm.log", 600)
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
     finally:
         proc.terminate()
@@ -56,18 +54,6 @@ def vllm_server(vllm_python, tmp_path_factory):
             proc.kill()
         log.close()
         daemon.kill()
-
-
-def _wait_healthy(proc: subprocess.Popen, port: int, log) -> None:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"vLLM's server exited:\n{log.read_text()[-4000:]}"
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-            return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(1)
-    raise AssertionError(f"vLLM's server not healthy in 600 s:\n{log.read_text()[-4000:]}")
 
 
 def ask(client, messages, max_tokens=16, **hint):

@@ -17,6 +17,20 @@ ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 300  # model load + warm-up on a busy 2-core machine
 
 
+def wait_healthy(base_url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Until an OpenAI-compatible server (ours or vLLM's) answers /health; AssertionError with its log's tail
+    if it exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+        try:
+            urllib.request.urlopen(base_url + "/health", timeout=5).close()
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.5)
+    raise AssertionError(f"server not healthy in {timeout_s:.0f} s:\n{log.read_text()[-4000:]}")
+
+
 class EngineServer:
     """A serve-engine process on a free port; its output goes to `log`."""
 
@@ -46,17 +60,11 @@ class EngineServer:
             return r.read().decode()
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve-engine exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            try:
-                self.get("/health")
-                return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.5)
-        self.close()
-        raise RuntimeError(f"serve-engine not healthy after {START_TIMEOUT_S}s:\n{self.log.read_text()[-3000:]}")
+        try:
+            wait_healthy(self.base_url, self.proc, self.log, START_TIMEOUT_S)
+        except AssertionError:
+            self.close()
+            raise
 
     def close(self) -> None:
         if self.proc.poll() is None:
