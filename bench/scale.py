@@ -7,7 +7,7 @@ fsync off, in batches), then a fresh process measures, on the embedded
 store (`open_store`, cpu -> disk, as `local://` builds it):
 
 - reopen: seconds from `open_store` to a store that answers; the disk
-  tier's background sweep (orphans, dangling records) is waited out
+  tier's background sweep (free slots, damaged records) is waited out
   before the lookups, and its end reported;
 - RSS per block: the larger of the process's resident memory growth over
   that open and its anonymous memory growth once the sweep is done and the
@@ -15,12 +15,13 @@ store (`open_store`, cpu -> disk, as `local://` builds it):
 - index bytes per block: the lmdb index's pages in use / N;
 - lookup of 256 held hashes: `store.lookup` latency, p50 and p99 (us);
 - store rate: new blocks of the same size stored through the store with
-  fsync on, until flushed, as a ratio to raw write + fsync + rename of the
-  same files in a directory of the same filesystem (fsynced by as many
-  threads as the tier uses, one directory fsync per batch, as the tier
-  does); and, for the layout question (#19 item 3), raw files against the
-  same objects written into slots of one preallocated segment file with one
-  fdatasync per batch, at this bench's block size and at real models'.
+  fsync on, until flushed, as a ratio to raw writes of the same objects
+  into slots of a preallocated segment file with one fdatasync per batch
+  the store's writer takes (the disk tier's layout, tiers/disk_slots.py,
+  less everything else it does); and, for the layout question (#19 item
+  3), the same objects as one file each (write, fsync by 8 threads,
+  rename, one directory fsync per batch) against segment slots, at this
+  bench's block size and at real models'.
 
 The 10M figures are extrapolated from the last two points (labelled so).
 Usage: python bench/scale.py [--quick] [--dir D] [--plot PNG]; --quick: 100k
@@ -47,11 +48,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from cache_service.blocks.keys import Namespace  # noqa: E402
 from cache_service.blocks.objects import encode  # noqa: E402
-from tiers.disk_io import SYNC_THREADS  # noqa: E402
 from cache_service.store.writer import WRITE_BATCH  # noqa: E402
 
 NS = Namespace("scale-bench", "bfloat16", num_layers=1, kv_heads=1, head_dim=16, block_tokens=16)
 BATCH = 2000
+FILE_SYNC_THREADS = 8  # raw files fsynced concurrently (the one-file-per-block layout's best rate here)
 
 
 def key(i: int) -> bytes:
@@ -113,22 +114,25 @@ def probe(root: Path, n: int, scratch: Path) -> dict:
     lat.sort()
     anon = rss_bytes("RssAnon:") - anon_before
     ours, raw = store_rate(store, n, scratch)
-    segments = segment_rate(scratch)
+    obj = encode(NS, key(0), payload(0)).numpy().tobytes()
+    files = files_rate(scratch, 4000, [obj])
     store.close()
     shutil.rmtree(root.parent / "empty", ignore_errors=True)
     # the figure: the larger of RSS growth over the open and the anonymous memory kept once the sweep has
     # filled the presence table (lmdb's mapped pages are page cache, shared and reclaimable)
     return {"blocks": n, "reopen_s": reopen, "sweep_s": sweep, "rss_bytes_per_block": max(rss, anon) / n,
-            "rss_open_bytes_per_block": rss / n, "anon_rss_bytes_per_block_after_sweep": anon / n, "raw_segment_blocks_s": segments,
+            "rss_open_bytes_per_block": rss / n, "anon_rss_bytes_per_block_after_sweep": anon / n, "raw_files_blocks_s": files,
             "index_bytes_per_block": bytes_in_use(root / "index.lmdb") / n,
             "lookup256_us_p50": lat[len(lat) // 2], "lookup256_us_p99": lat[int(len(lat) * 0.99)],
-            "store_blocks_s": ours, "raw_blocks_s": raw, "store_rate_vs_raw": ours / raw}
+            "store_blocks_s": ours, "raw_blocks_s": raw, "store_rate_vs_raw": ours / raw}  # raw: segment writes
 
 
 def store_rate(store, n: int, scratch: Path, count: int = 4096, rounds: int = 4) -> tuple[float, float]:
-    """Blocks/s of new blocks stored and flushed (fsync on), and of the raw
-    file writes of the same objects: `rounds` alternating pairs (this VM's
-    disk drifts by 2x within a minute), the medians."""
+    """Blocks/s of new blocks stored and flushed (fsync on), and of raw
+    writes of the same objects into slots of a segment file, one fdatasync
+    per batch the store's writer takes (what the disk tier does, less all
+    the rest): `rounds` alternating pairs (this VM's disk drifts by 2x
+    within a minute), the medians."""
     ours, raw = [], []
     per = count // rounds
     for r in range(rounds):
@@ -141,23 +145,24 @@ def store_rate(store, n: int, scratch: Path, count: int = 4096, rounds: int = 4)
             store.store(NS, hs[a:a + 64], payloads[a:a + 64])
         assert store.flush(300)
         ours.append(per / (time.perf_counter() - t0))
-        raw.append(files_rate(scratch, per, objs, [h.hex() for h in hs]))
+        raw.append(segment_rate(scratch, per, objs, WRITE_BATCH))
     return statistics.median(ours), statistics.median(raw)
 
 
-def segment_rate(scratch: Path, count: int = 4000, obj: bytes | None = None) -> float:
-    """Blocks/s of the other layout (item 3 of #19): the same objects written
-    into slots of one preallocated segment file, one fdatasync per batch of 64."""
+def segment_rate(scratch: Path, count: int, objs: list[bytes], batch: int = 64) -> float:
+    """Blocks/s of the segment layout (the disk tier's, item 3 of #19): the
+    objects written into slots of one preallocated segment file, one
+    fdatasync per `batch`."""
     scratch.mkdir(parents=True, exist_ok=True)
-    obj = obj if obj is not None else encode(NS, key(0), payload(0)).numpy().tobytes()
+    slot = max(len(o) for o in objs)
     fd = os.open(scratch / "segment", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        os.posix_fallocate(fd, 0, count * len(obj))
+        os.posix_fallocate(fd, 0, count * slot)
         os.fsync(fd)
         t0 = time.perf_counter()
-        for a in range(0, count, 64):
-            for j in range(a, min(count, a + 64)):
-                os.pwrite(fd, obj, j * len(obj))
+        for a in range(0, count, batch):
+            for j in range(a, min(count, a + batch)):
+                os.pwrite(fd, objs[j % len(objs)], j * slot)
             os.fdatasync(fd)
         rate = count / (time.perf_counter() - t0)
     finally:
@@ -173,7 +178,7 @@ def files_rate(scratch: Path, count: int, objs: list[bytes], names: list[str] | 
     scratch.mkdir(parents=True, exist_ok=True)
     names = names or [f"{j:032x}" for j in range(count)]
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(SYNC_THREADS) as pool:
+    with ThreadPoolExecutor(FILE_SYNC_THREADS) as pool:
         for a in range(0, count, WRITE_BATCH):
             batch = range(a, min(count, a + WRITE_BATCH))
             fds = []
@@ -203,7 +208,7 @@ def layouts(scratch: Path, quick: bool) -> list[dict]:
         count = max(64, min(4000, (64 if quick else 256) * 2**20 // size))
         obj = os.urandom(size)
         files = files_rate(scratch, count, [obj])
-        seg = segment_rate(scratch, count, obj)
+        seg = segment_rate(scratch, count, [obj])
         rows.append({"object": label, "bytes": size, "blocks": count, "files_blocks_s": files,
                      "segment_blocks_s": seg, "segment_vs_files": seg / files})
         print(f"layout {label:>40}: files {files:9.0f} blocks/s ({files * size / 2**20:6.1f} MiB/s)  segment "
@@ -271,8 +276,8 @@ def main() -> None:
                   f"index {row['index_bytes_per_block']:.0f} B/block  lookup256 p50/p99 "
                   f"{row['lookup256_us_p50']:.0f}/{row['lookup256_us_p99']:.0f} us  store {row['store_blocks_s']:.0f} "
                   f"blocks/s ({row['store_rate_vs_raw']:.2f} of raw)  sweep done {row['sweep_s']:.1f} s  anon RSS "
-                  f"after it {row['anon_rss_bytes_per_block_after_sweep']:.0f} B/block  raw files/segment "
-                  f"{row['raw_blocks_s']:.0f}/{row['raw_segment_blocks_s']:.0f} blocks/s", flush=True)
+                  f"after it {row['anon_rss_bytes_per_block_after_sweep']:.0f} B/block  raw segment/files "
+                  f"{row['raw_blocks_s']:.0f}/{row['raw_files_blocks_s']:.0f} blocks/s", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     table = layouts(base.parent / f"{base.name}-layouts", args.quick)
@@ -290,7 +295,7 @@ def main() -> None:
                       f"lookup256_us_p99_{tag}": round(last["lookup256_us_p99"], 1),
                       "reopen_growth": round(curve[-1]["reopen_s"] / curve[0]["reopen_s"], 2) if len(curve) > 1 else None,
                       "store_rate_vs_raw": round(last["store_rate_vs_raw"], 3),
-                      "segment_vs_files_raw": round(last["raw_segment_blocks_s"] / last["raw_blocks_s"], 2),
+                      "segment_vs_files_raw": round(last["raw_blocks_s"] / last["raw_files_blocks_s"], 2),
                       "segment_vs_files_by_size": {r["bytes"]: round(r["segment_vs_files"], 2) for r in table}}))
 
 

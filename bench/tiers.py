@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cache_service.blocks.keys import chain_hashes  # noqa: E402
 from tiers.cpu import CpuTier  # noqa: E402
 from tiers.disk import DiskTier  # noqa: E402
-from tiers.disk_io import READ_THREADS, SYNC_THREADS  # noqa: E402
+from tiers.disk_io import READ_THREADS  # noqa: E402
 
 # bytes per 16-token block: SmolLM2-135M bf16 (30 layers, 3 KV heads, dim 64), Llama-3-8B bf16
 SIZES = {"smollm2-135m": 30 * 2 * 16 * 3 * 64 * 2, "llama3-8b": 32 * 2 * 16 * 8 * 128 * 2}
@@ -92,38 +92,43 @@ def _drop_cache(paths) -> None:
         os.close(fd)
 
 
-def _raw_write(paths, objs) -> None:
-    """The files written, then fsynced by as many threads as the tier syncs
-    with (tiers/disk_io.py): the device's limit at that concurrency."""
-    fds = []
-    for p, o in zip(paths, objs):
-        fds.append(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
-        os.write(fds[-1], memoryview(o.numpy()))
-    with ThreadPoolExecutor(SYNC_THREADS) as pool:
-        list(pool.map(os.fsync, fds))
-    for fd in fds:
+def _raw_write(path, objs) -> None:
+    """The objects written into consecutive slots of a preallocated segment
+    file, then one fdatasync: the tier's layout (tiers/disk_slots.py) at
+    the device's limit, without the tier's headers, checksums and index."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        size = objs[0].numel()
+        if os.fstat(fd).st_size < size * len(objs):
+            os.posix_fallocate(fd, 0, size * len(objs))
+        for i, o in enumerate(objs):
+            os.pwrite(fd, memoryview(o.numpy()), i * size)
+        os.fdatasync(fd)
+    finally:
         os.close(fd)
 
 
-def _raw_read(paths, size) -> None:
-    """The files read by as many threads as the tier reads with (tiers/disk_io.py):
-    the device's limit at that concurrency, not one read at a time."""
-    def one(p) -> None:
-        buf = torch.empty(size, dtype=torch.uint8)
-        with open(p, "rb", buffering=0) as f:
-            f.readinto(memoryview(buf.numpy()))
+def _raw_read(path, n, size) -> None:
+    """The slots read back by as many threads as the tier reads with
+    (tiers/disk_io.py): the device's limit at that concurrency, not one
+    read at a time."""
+    fd = os.open(path, os.O_RDONLY)
 
-    with ThreadPoolExecutor(READ_THREADS) as pool:
-        list(pool.map(one, paths))
+    def one(i) -> None:
+        buf = torch.empty(size, dtype=torch.uint8)
+        os.preadv(fd, [memoryview(buf.numpy())], i * size)
+
+    try:
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            list(pool.map(one, range(n)))
+    finally:
+        os.close(fd)
 
 
 def bench_disk(n: int, size: int, reps: int, root: Path) -> dict[str, float]:
     hashes, objs = objects(n, size)
-    raw_dir = root / "raw"
-    raw_dir.mkdir()
-    raw_paths = [raw_dir / f"{i:06d}" for i in range(n)]
+    raw_path = root / "raw-segment"
     tier = DiskTier(root / "tier", capacity_bytes=n * size * 2, fsync=True)
-    tier_paths = lambda: [tier.path_of(h) for h in hashes]  # noqa: E731
 
     def store() -> float:  # raw overwrites in place; the tier gets an empty slot, untimed
         tier.delete_many(hashes)
@@ -131,11 +136,11 @@ def bench_disk(n: int, size: int, reps: int, root: Path) -> dict[str, float]:
 
     w_raw, w_tier, r_raw, r_tier = [], [], [], []
     for _ in range(reps):  # interleave so noise hits both sides alike
-        w_raw.append(_time(lambda: _raw_write(raw_paths, objs)))
+        w_raw.append(_time(lambda: _raw_write(raw_path, objs)))
         w_tier.append(store())
-        _drop_cache(raw_paths)
-        r_raw.append(_time(lambda: _raw_read(raw_paths, size)))
-        _drop_cache(tier_paths())
+        _drop_cache([raw_path])
+        r_raw.append(_time(lambda: _raw_read(raw_path, n, size)))
+        _drop_cache(tier.files())
         r_tier.append(_time(lambda: tier.get_many(hashes)))
     got = tier.get_many(hashes)
     assert all(torch.equal(g, o) for g, o in zip(got, objs))

@@ -20,7 +20,7 @@ MDB_CORRUPTED from any later cursor or write. So:
 - damage met at open (the meta pages, the meta record) or by any later read
   or write (a page first touched then) moves the index aside
   (``index.lmdb.damaged-<ns>``, the last one kept for forensics) and opens a
-  fresh one, filled from what the owner's `rebuild` finds in its data files.
+  fresh one, filled from what the owner finds in its data (tiers/disk_slots.py `scan`).
   The old environment is left mapped, not closed: a reader in another
   thread may still be in it.
 
@@ -28,9 +28,11 @@ Each heal is logged once and counted in `healed`.
 
 Durability: lmdb flushes a commit's pages but not its meta page (metasync
 off): one fsync per commit instead of two, and a power cut can undo the
-last commit only, leaving a consistent index. An undone put leaves data
-files no record names (the tier's sweep removes them); an undone delete
-leaves records whose files are gone (a miss, quarantined by the sweep).
+last commit only, leaving a consistent index. An undone put leaves slots
+no record names (free again: past the slot marks of the last commit, or
+found free by the sweep); an undone delete leaves a record on a slot that
+may be written again (its header and checksum then disagree: a miss,
+quarantined by the first read).
 """
 from __future__ import annotations
 
@@ -56,9 +58,12 @@ _META_MAGIC, _DATA_VERSION = 0xBEEFC0DE, 1
 _DAMAGED = "damaged-"
 _LONGEST_RECORD = (1 << 32) + (1 << 20)  # what a damaged 32-bit record length can reach past its page
 
-META_KEY = b"tierkv:meta"  # (records, bytes): not a hash's length, so never a block's key
+META_KEY = b"tierkv:meta"  # (records, bytes, then slot marks): not a hash's length, so never a block's key
 _TOTALS = struct.Struct("<QQ")
-RECORD = struct.Struct("<QQQ")  # a hash's record: file size, xxh3_64 of the file bytes, last access (ns since epoch)
+_MARK = struct.Struct("<QQ")  # slot size, slots handed out (tiers/disk_space.py)
+# a hash's record: object size, xxh3_64 of its bytes, its slot (tiers/disk_slots.py), last access (ns since epoch)
+RECORD = struct.Struct("<QQQQ")
+_PLACE = 24  # a record's bytes that say where and what the object is (all but the access time)
 
 
 def walk(scan: Callable[[bytes], list[tuple[bytes, bytes]]]) -> Iterator[list[tuple[bytes, bytes]]]:
@@ -72,6 +77,17 @@ def walk(scan: Callable[[bytes], list[tuple[bytes, bytes]]]) -> Iterator[list[tu
 def _size(record: bytes) -> int:
     """A record's object size (RECORD's first field; its checksum follows)."""
     return int.from_bytes(record[:8], "little")
+
+
+def _meta_record(totals: tuple[int, int], marks: dict[int, int]) -> bytes:
+    return _TOTALS.pack(*totals) + b"".join(_MARK.pack(c, m) for c, m in sorted(marks.items()))
+
+
+def _parse_meta(meta: bytes | None) -> tuple[tuple[int, int], dict[int, int]]:
+    if meta is None or len(meta) < _TOTALS.size or (len(meta) - _TOTALS.size) % _MARK.size:
+        return (0, 0), {}
+    marks = dict(_MARK.iter_unpack(meta[_TOTALS.size:]))
+    return _TOTALS.unpack_from(meta), marks
 
 
 def vet(path: Path) -> str | None:
@@ -217,8 +233,11 @@ class DiskIndex:
 
     def totals(self) -> tuple[int, int]:
         """(hash records, bytes of the objects they describe), from the meta record."""
-        meta = self.meta()
-        return _TOTALS.unpack(meta) if meta is not None and len(meta) == _TOTALS.size else (0, 0)
+        return _parse_meta(self.meta())[0]
+
+    def marks(self) -> dict[int, int]:
+        """Slot size -> slots handed out, from the meta record."""
+        return _parse_meta(self.meta())[1]
 
     def recount(self) -> tuple[int, int]:
         """Write the meta record again from every record (an index written
@@ -227,17 +246,21 @@ class DiskIndex:
         for chunk in walk(self.scan):
             blocks, nbytes = blocks + len(chunk), nbytes + sum(_size(v) for _, v in chunk)
         with self._env.begin(write=True) as txn:
-            txn.put(META_KEY, _TOTALS.pack(blocks, nbytes))
+            txn.put(META_KEY, _meta_record((blocks, nbytes), _parse_meta(txn.get(META_KEY))[1]))
         return blocks, nbytes
 
-    def write(self, puts: dict[bytes, bytes], dels: list[bytes], only_if: dict[bytes, bytes] | None = None) -> bool:
+    def write(self, puts: dict[bytes, bytes], dels: list[bytes], only_if: dict[bytes, bytes] | None = None,
+              marks: dict[int, int] | None = None) -> bool:
         """One write transaction: `puts`, `dels`, and each of `only_if` put
-        only where the record held now has the same size and checksum (an
-        access time for a record no one replaced meanwhile); the meta
-        record's totals follow. False when the map is full; lmdb.Error on damage."""
+        only where the record held now has the same size, checksum and slot
+        (an access time for a record no one replaced meanwhile); the meta
+        record's totals follow, and the slot `marks` (each only raised).
+        False when the map is full; lmdb.Error on damage."""
         try:
             with self._env.begin(write=True) as txn:
-                blocks, nbytes = _TOTALS.unpack(txn.get(META_KEY, _TOTALS.pack(0, 0)))
+                (blocks, nbytes), held = _parse_meta(txn.get(META_KEY))
+                for c, m in (marks or {}).items():
+                    held[c] = max(held.get(c, 0), m)
                 for k, v in puts.items():
                     old = txn.get(k)
                     txn.put(k, v)
@@ -248,17 +271,17 @@ class DiskIndex:
                         blocks, nbytes = blocks - 1, nbytes - _size(old)
                 for k, v in (only_if or {}).items():
                     now = txn.get(k)
-                    if now is not None and now[:16] == v[:16]:
+                    if now is not None and now[:_PLACE] == v[:_PLACE]:
                         txn.put(k, v)
-                txn.put(META_KEY, _TOTALS.pack(blocks, nbytes))
+                txn.put(META_KEY, _meta_record((blocks, nbytes), held))
             return True
         except lmdb.MapFullError as e:
             log.warning("disk index %s: full: %s", self.path, e)
             return False
 
-    def replace(self, problem: str | None, records: dict[bytes, bytes]) -> None:
-        """Set the damaged index aside and write a fresh one of `records`
-        (`problem` None: the index is empty, not damaged; it is filled)."""
+    def replace(self, problem: str | None, records: dict[bytes, bytes], marks: dict[int, int]) -> None:
+        """Set the damaged index aside and write a fresh one of `records` and
+        slot `marks` (`problem` None: the index is empty, not damaged; it is filled)."""
         if problem is not None:
             self._old.append(self._env)
             self._set_aside(problem)
@@ -267,7 +290,7 @@ class DiskIndex:
         with self._env.begin(write=True) as txn:
             for k, v in records.items():
                 txn.put(k, v)
-            txn.put(META_KEY, _TOTALS.pack(len(records), sum(_size(v) for v in records.values())))
+            txn.put(META_KEY, _meta_record((len(records), sum(_size(v) for v in records.values())), marks))
 
     def _set_aside(self, problem: str) -> None:
         """Move the damaged index out of the way (keeping the last one)."""

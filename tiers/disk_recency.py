@@ -41,12 +41,12 @@ class AccessTimes:
             self._clock = max(time.time_ns(), self._clock + 1)
             return self._clock
 
-    def read(self, found: Sequence[tuple[BlockHash, tuple[int, int, int]]]) -> bool:
+    def read(self, found: Sequence[tuple[BlockHash, tuple[int, int, int, int]]]) -> bool:
         """These records were read now; True once enough wait to be written."""
         with self._lock:
             for h, e in found:
                 self._clock = max(time.time_ns(), self._clock + 1)
-                self._pending[h] = RECORD.pack(e[0], e[1], self._clock)
+                self._pending[h] = RECORD.pack(e[0], e[1], e[2], self._clock)
             return len(self._pending) >= PENDING_ATIMES
 
     def take(self) -> dict[bytes, bytes]:
@@ -61,7 +61,7 @@ class AccessTimes:
     def _apply(self, recs: Iterable[tuple[bytes, bytes]]) -> list[tuple[BlockHash, int]]:
         with self._lock:
             pending = self._pending
-            return [(BlockHash(k), RECORD.unpack(pending.get(k, v))[2]) for k, v in recs]
+            return [(BlockHash(k), RECORD.unpack(pending.get(k, v))[3]) for k, v in recs]
 
     def every(self, scan: Scan) -> list[tuple[BlockHash, int]]:
         """(hash, last access) of every record."""

@@ -13,6 +13,7 @@ from cache_service.blocks.keys import chain_hashes, prefix_hashes
 from connectors.client import connect
 from connectors.engine import EngineConnector
 from engine import LLM, SamplingParams
+from tests.tiers.disk_objects import read_at, write_at
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ("The cache keeps keys and values of earlier prompts so that a long shared prefix is loaded, "
@@ -99,11 +100,11 @@ def test_fp32_warm_equals_no_connector_and_corruption_is_recomputed(tmp_path):
     ns = llm.kv_namespace(16)
     prompt = llm.apply_chat_template([{"role": "user", "content": TEXT}])
     third = prefix_hashes(ns, prompt)[2]
-    path = conn.client.tiers[1].path_of(third)
+    place = conn.client.tiers[1].location_of(third)
     conn.close()
-    data = bytearray(path.read_bytes())
+    data = bytearray(read_at(place))
     data[-7] ^= 0x20
-    path.write_bytes(bytes(data))
+    write_at(place, bytes(data))
     after = cli(*args, "--kv-connector", url)
     assert after["cached_tokens"] == 2 * 16
     assert after["token_ids"] == none["token_ids"]

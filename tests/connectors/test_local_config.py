@@ -44,5 +44,5 @@ def test_generate_with_a_config_file_stores_where_the_file_says(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["prompt_tokens"] > 16
     # The blocks and the session's manifest sit under the file's disk path.
-    assert any((tmp_path / "from-file" / "data").iterdir())
+    assert any(p.stat().st_size for p in (tmp_path / "from-file" / "segments").iterdir())
     assert any("s1" in p.name for p in (tmp_path / "from-file").rglob("*"))

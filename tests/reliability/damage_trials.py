@@ -15,17 +15,20 @@ one summary line.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import sys
 from pathlib import Path
 
+import lmdb
 import torch
 
 from connectors.client import connect
 from connectors.engine import EngineConnector
 from engine import LLM, SamplingParams
 from cache_service.blocks.keys import prefix_hashes
+from tests.tiers.disk_objects import place_of, read_at, write_at
 from tiers.disk_index import bytes_in_use
 
 KINDS = ("flip", "truncate", "zero_fill", "swap", "delete", "index_bytes", "index_truncate", "lock")
@@ -75,31 +78,40 @@ def fill(url: str, llm: LLM, n: int) -> None:
     store.close()
 
 
-def damage(root: Path, kind: str, rng: random.Random) -> None:
-    """One kind of damage to the closed store at `root`."""
-    files = sorted((root / "data").iterdir())
+def objects(root: Path) -> list:
+    """Where each indexed block's object lies (the index undamaged)."""
+    env = lmdb.open(str(root / "index.lmdb"), readonly=True, lock=False, subdir=True)
+    with env.begin() as txn:
+        hs = [bytes(k) for k, _ in txn.cursor() if len(k) == 16]
+    env.close()
+    return [p for p in (place_of(root, h) for h in sorted(hs)) if p is not None]
+
+
+def damage(root: Path, kind: str, rng: random.Random, places: list) -> None:
+    """One kind of damage to the closed store at `root` (its objects at `places`)."""
     index = root / "index.lmdb" / "data.mdb"
-    f = rng.choice(files) if files else None
+    f = rng.choice(places) if places else None
+    if f and kind in ("flip", "zero_fill") and not read_at(f):
+        f = None  # an earlier damage cut its file short before it
     if kind == "flip" and f:
-        data = bytearray(f.read_bytes())
+        data = bytearray(read_at(f))
         data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-        f.write_bytes(bytes(data))
-    elif kind == "truncate" and f:
-        with open(f, "r+b") as fh:
-            fh.truncate(rng.randrange(f.stat().st_size))
+        write_at(f, bytes(data))
+    elif kind == "truncate" and f:  # the segment file cut short inside this object
+        os.truncate(f[0], f[1] + rng.randrange(f[2]))
     elif kind == "zero_fill" and f:
-        size = f.stat().st_size
-        start = rng.randrange(size)
-        with open(f, "r+b") as fh:
-            fh.seek(start)
-            fh.write(b"\0" * rng.randrange(1, size - start + 1))
-    elif kind == "swap" and len(files) > 1:
-        a, b = rng.sample(files, 2)
-        da, db = a.read_bytes(), b.read_bytes()
-        a.write_bytes(db)
-        b.write_bytes(da)
+        data = bytearray(read_at(f))
+        start = rng.randrange(len(data))
+        n = rng.randrange(1, len(data) - start + 1)
+        data[start:start + n] = bytes(n)
+        write_at(f, bytes(data))
+    elif kind == "swap" and len(places) > 1:
+        a, b = rng.sample(places, 2)
+        da, db = read_at(a), read_at(b)
+        write_at(a, db)
+        write_at(b, da)
     elif kind == "delete" and f:
-        f.unlink()
+        write_at(f, None)
     elif kind == "index_bytes":  # within the pages in use (the file extends sparsely past them)
         size = bytes_in_use(index.parent)
         with open(index, "r+b") as fh:
@@ -131,8 +143,9 @@ def main(base: Path, trials: int, seed: int, first: int = 0) -> int:
         fill(url, control, rng.randrange(0, 400))
         first = run(url, prompt, originals)
         kinds = rng.sample(KINDS, rng.randint(1, 3))
+        places = objects(root)  # read before any damage: a damaged index is no bystander's to read
         for kind in kinds:
-            damage(root, kind, rng)
+            damage(root, kind, rng, places)
         second, third = run(url, prompt, originals), run(url, prompt, originals)
         healed = third["cached"] == warm
         line = {"trial": t, "kinds": kinds, "cached": [r["cached"] for r in (first, second, third)],

@@ -17,6 +17,7 @@ from connectors.engine import EngineConnector
 from engine import LLM, SamplingParams
 from tests.cache_service.store.store_helpers import NS, OBJ, hashes, make_store, payload_for, same
 from tests.reliability.conftest import figure
+from tests.tiers.disk_objects import read_at, write_at
 
 pytestmark = pytest.mark.slow
 KINDS = ("flip_payload", "flip_header", "truncate", "swap", "delete", "foreign")
@@ -79,32 +80,28 @@ def test_damaged_disk_files_are_misses(tmp_path):
         store.store(NS, hs, [payload_for(h) for h in hs])
         assert store.flush(60)
         disk = store.tiers[1]
-        paths = {h: disk.path_of(h) for h in hs}
+        places = {h: disk.location_of(h) for h in hs}
     # damage files behind the store's back: every kind, several times
     plan = plan_damage(hs, 3, rng)
-    original = {h: paths[h].read_bytes() for h in plan}
+    original = {h: read_at(places[h]) for h in plan}
     for h, kind in plan.items():
         partner = swap_partner(plan, h)
         new = damaged(kind, h, original[h], original[partner] if partner else None, rng)
-        if new is None:
-            paths[h].unlink()
-        else:
-            paths[h].write_bytes(new)
+        write_at(places[h], new)
     # reopened: every damaged block is a miss, every other block byte-exact
     with make_store(root, cpu_blocks=8) as store:
-        # files missing or of the wrong size are quarantined by the sweep after open: the held prefix ends before the first
+        # erased slots (no header naming the block) are quarantined by the sweep after open: the held prefix ends before the first
         assert store.tiers[1].swept.wait(60)
-        gone = min(hs.index(h) for h, k in plan.items() if k in ("truncate", "delete"))
+        gone = min(hs.index(h) for h, k in plan.items() if k == "delete")
         assert store.lookup(hs) <= gone
         wrong, undetected = check_loads(store, hs, plan)
         corrupt = store.stats()["disk"]["corrupt"]
     quarantined = len(list((root / "quarantine").iterdir()))
-    swept = sum(k in ("truncate", "delete") for k in plan.values())  # found by the sweep's size check
-    deleted = sum(k == "delete" for k in plan.values())  # nothing left to keep aside
+    swept = sum(k == "delete" for k in plan.values())  # found by the sweep's header check
     figure("corruption_disk", blocks=len(hs), damaged=len(plan), kinds=len(KINDS), detected=len(plan) - undetected,
            wrong_served=wrong, found_by_sweep=swept, quarantined=quarantined)
     assert wrong == 0 and undetected == 0
-    assert corrupt == len(plan) and quarantined == len(plan) - deleted
+    assert corrupt == len(plan) and quarantined == len(plan)  # an erased slot is kept aside too (its zeros)
 
 
 def s3_tiers(s3_server, bucket: str, prefix: str, **extra) -> dict:
@@ -195,13 +192,14 @@ def test_engine_output_is_unchanged_over_a_damaged_cache(tmp_path, s3_server, s3
         assert store.flush(120)
         originals = {h: p.contiguous().view(torch.uint8).clone() for h, p in zip(hs, store.load(ns, hs))}
         disk, s3 = store.tiers[1], store.tiers[2]
+        places = {i: disk.location_of(hs[i]) for i in (1, 3)}
     # damage: block 1 on disk only, block 4 in S3 only, block 3 in both (so it must be recomputed)
     raw = s3_server.client()
     for i in (1, 3):
-        path = disk.path_of(hs[i])
-        data = bytearray(path.read_bytes())
+        place = places[i]
+        data = bytearray(read_at(place))
         data[-5] ^= 0x10
-        path.write_bytes(bytes(data))
+        write_at(place, bytes(data))
     for i in (3, 4):
         key = s3.key_of(hs[i])
         body = bytearray(raw.get_object(Bucket=s3_bucket, Key=key)["Body"].read())

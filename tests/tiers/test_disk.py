@@ -1,6 +1,6 @@
-"""DiskTier on real files and a real lmdb index: round trips, reopening in
-another process, damaged files, recovery on open, crashes mid-write, and a
-filesystem that runs out of space."""
+"""DiskTier on real segment files and a real lmdb index: round trips,
+reopening in another process, damaged slots, recovery on open, crashes
+mid-write, and a filesystem that runs out of space."""
 from __future__ import annotations
 
 import errno
@@ -37,19 +37,29 @@ def child(*args: str, **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
-def temp_files(root: Path) -> list[Path]:
-    return list((root / "data").glob(".tmp-*"))
+def stored_bytes(tier: DiskTier, h) -> bytes:
+    """The object bytes of `h` as they sit in its segment file."""
+    path, off, size = tier.location_of(h)
+    with open(path, "rb") as f:
+        f.seek(off)
+        return f.read(size)
+
+
+def overwrite(tier: DiskTier, h, data: bytes, at: int = 0) -> None:
+    path, off, _ = tier.location_of(h)
+    with open(path, "r+b") as f:
+        f.seek(off + at)
+        f.write(data)
 
 
 def test_round_trip_on_disk_layout(tmp_path):
     tier = DiskTier(tmp_path, 8 * MB)
     hs = keys(5)
     assert tier.put_many(hs, [block_for(h) for h in hs]) == [True] * 5
-    # Files sit under data/<hash hex>; no temp file is left behind.
-    for h in hs:
-        assert tier.path_of(h) == tmp_path / "data" / h.hex()
-        assert tier.path_of(h).stat().st_size == block_for(h).numel()
-    assert temp_files(tmp_path) == []
+    # Objects sit in slots of segment files under segments/, each in a slot of its own.
+    places = [tier.location_of(h) for h in hs]
+    assert all(p[0].parent == tmp_path / "segments" for p in places) and len(set(places)) == 5
+    assert all(stored_bytes(tier, h) == block_for(h).numpy().tobytes() for h in hs)
     # Reads are byte-exact; an unknown hash is a miss.
     got = tier.get_many(hs + keys(1, seed=1))
     assert all(torch.equal(g, block_for(h)) for g, h in zip(got, hs)) and got[-1] is None
@@ -89,32 +99,39 @@ def test_last_access_order_survives_reopen(tmp_path):
 
 
 def _truncate(tier, a, b):
-    os.truncate(tier.path_of(a), 100)
+    path, off, _ = tier.location_of(a)  # a sits in the last slot of the file
+    os.truncate(path, off + 100)
 
 
 def _flip_bit(tier, a, b):
-    with open(tier.path_of(a), "r+b") as f:
-        f.seek(777)
-        byte = f.read(1)[0]
-        f.seek(777)
-        f.write(bytes([byte ^ 0x10]))
+    overwrite(tier, a, bytes([stored_bytes(tier, a)[777] ^ 0x10]), at=777)
 
 
 def _swap(tier, a, b):
-    os.rename(tier.path_of(b), tier.path_of(a))  # b's file now sits at a's name; b has none
+    # b's slot (header and all) copied over a's, then b's erased: a's slot now holds b
+    (pa, oa, _), (pb, ob, n) = tier.location_of(a), tier.location_of(b)
+    with open(pb, "r+b") as f:
+        f.seek(ob - 32)
+        slot = f.read(32 + n)
+        f.seek(ob - 32)
+        f.write(bytes(len(slot)))
+    with open(pa, "r+b") as f:
+        f.seek(oa - 32)
+        f.write(slot)
 
 
-def _delete(tier, a, b):
-    os.unlink(tier.path_of(a))
+def _erase(tier, a, b):
+    overwrite(tier, a, bytes(len(stored_bytes(tier, a))), at=-32)  # header and object zeroed
 
 
-@pytest.mark.parametrize("damage", [_truncate, _flip_bit, _swap, _delete])
-def test_damaged_file_is_a_counted_quarantined_miss(tmp_path, damage):
+@pytest.mark.parametrize("damage", [_truncate, _flip_bit, _swap, _erase])
+def test_damaged_slot_is_a_counted_quarantined_miss(tmp_path, damage):
     tier = DiskTier(tmp_path, 8 * MB)
     a, b, c = [k for k in keys(64) if block_for(k).numel() == block_for(keys(1)[0]).numel()][:3]
-    tier.put_many([a, b, c], [block_for(h) for h in (a, b, c)])
+    for h in (b, c, a):
+        tier.put_many([h], [block_for(h)])
     damage(tier, a, b)
-    on_disk = tier.path_of(a).read_bytes() if tier.path_of(a).exists() else None
+    on_disk = stored_bytes(tier, a)
     # The damaged block is never returned; intact neighbours are.
     got = dict(zip((a, b, c), tier.get_many([a, b, c])))
     assert got[a] is None and torch.equal(got[c], block_for(c))
@@ -124,9 +141,9 @@ def test_damaged_file_is_a_counted_quarantined_miss(tmp_path, damage):
     assert tier.stats.corrupt == len(lost) and tier.stats.misses == len(lost)
     assert tier.contains_many(lost) == [False] * len(lost)
     assert tier.stats.used_bytes == sum(block_for(h).numel() for h in (a, b, c) if h not in lost)
-    # What was at a's path is kept aside in quarantine, byte for byte.
+    # What was in a's slot is kept aside in quarantine, byte for byte.
     quarantined = [p.read_bytes() for p in (tmp_path / "quarantine").iterdir()]
-    assert quarantined == ([on_disk] if on_disk is not None else [])
+    assert on_disk in quarantined and len(quarantined) == len(lost)
     tier.close()
     reopened = DiskTier(tmp_path, 8 * MB)
     assert sorted(reopened.keys()) == sorted(h for h in (a, b, c) if h not in lost)
@@ -139,7 +156,7 @@ def test_quarantine_on_the_stores_request(tmp_path):
     tier.put_many([a, b], [block_for(a), block_for(b)])
     # The store found a's object unusable (say, a header for another layout).
     tier.quarantine([a, keys(1, seed=3)[0]])
-    assert tier.contains_many([a, b]) == [False, True] and not tier.path_of(a).exists()
+    assert tier.contains_many([a, b]) == [False, True] and tier.location_of(a) is None
     assert [p.read_bytes() for p in (tmp_path / "quarantine").iterdir()] == [block_for(a).numpy().tobytes()]
     # The store counts that one; the tier's own counter is for its own checksum failures.
     assert tier.stats.corrupt == 0 and tier.stats.blocks == 1
@@ -149,41 +166,75 @@ def test_quarantine_on_the_stores_request(tmp_path):
     reopened.close()
 
 
-def test_the_sweep_after_open_removes_orphans_and_temp_files(tmp_path):
+def test_a_slot_written_but_never_indexed_is_free_after_a_crash(tmp_path):
     tier = DiskTier(tmp_path, 8 * MB)
-    held, orphan = keys(2)
+    held, orphan, new = [k for k in keys(64) if block_for(k).numel() == block_for(keys(1)[0]).numel()][:3]
     tier.put_many([held], [block_for(held)])
+    # A put that wrote its slot and died before its index commit.
+    obj = memoryview(block_for(orphan).numpy())
+    slot = tier.space.take(len(obj))
+    tier.segments.write(orphan, obj, slot, 0)
+    orphan_place = tier.segments.located(len(obj), slot)
     tier.close()
-    # A complete file the index never heard of, and a temp file of an interrupted put.
-    orphan_path = tmp_path / "data" / orphan.hex()
-    orphan_path.write_bytes(block_for(orphan).numpy().tobytes())
-    stray_tmp = orphan_path.with_name(f".tmp-{orphan.hex()}-999-0")
-    stray_tmp.write_bytes(b"half a block")
     reopened = DiskTier(tmp_path, 8 * MB)
-    # Opening serves at once; the sweep after it removes both.
-    assert reopened.swept.wait(30)
-    assert not orphan_path.exists() and not stray_tmp.exists()
+    # The orphan is not a block; its slot is the next one handed out.
     assert reopened.keys() == [held] and reopened.get_many([orphan]) == [None]
-    assert torch.equal(reopened.get_many([held])[0], block_for(held))
+    assert reopened.put_many([new], [block_for(new)]) == [True]
+    assert reopened.location_of(new)[:2] == orphan_place
+    assert torch.equal(reopened.get_many([new])[0], block_for(new))
     reopened.close()
 
 
-def test_the_sweep_drops_entries_whose_file_is_missing_or_the_wrong_size(tmp_path):
-    tier = DiskTier(tmp_path, 8 * MB)
-    gone, short, fine = keys(3)
-    tier.put_many([gone, short, fine], [block_for(h) for h in (gone, short, fine)])
+def test_slots_deleted_before_a_reopen_are_handed_out_after_its_walk(tmp_path):
+    tier = DiskTier(tmp_path, 8 * MB, fsync=False)
+    hs = [k for k in keys(600) if block_for(k).numel() == block_for(keys(1)[0]).numel()][:6]
+    tier.put_many(hs[:4], [block_for(h) for h in hs[:4]])
+    freed = tier.location_of(hs[1])
+    tier.delete_many([hs[1]])
     tier.close()
-    os.unlink(tier.path_of(gone))
-    os.truncate(tier.path_of(short), 10)
+    # Reopened: the sweep walks the index and finds the hole deleting hs[1] left.
+    reopened = DiskTier(tmp_path, 8 * MB, fsync=False)
+    assert reopened.swept.wait(30)
+    reopened.put_many([hs[4]], [block_for(hs[4])])
+    assert reopened.location_of(hs[4]) == freed
+    # The next one goes past the last slot; every block reads back exact.
+    reopened.put_many([hs[5]], [block_for(hs[5])])
+    assert reopened.location_of(hs[5]) not in {reopened.location_of(h) for h in hs[:5]}
+    got = reopened.get_many(hs)
+    assert got[1] is None and all(torch.equal(g, block_for(h)) for g, h in zip(got, hs) if h != hs[1])
+    reopened.close()
+
+
+def test_the_sweep_drops_entries_whose_slot_lies_past_the_end_of_its_file(tmp_path):
+    tier = DiskTier(tmp_path, 8 * MB)
+    fine, gone, short = [k for k in keys(64) if block_for(k).numel() == block_for(keys(1)[0]).numel()][:3]
+    for h in (fine, gone, short):
+        tier.put_many([h], [block_for(h)])
+    path, off, _ = tier.location_of(gone)
+    tier.close()
+    os.truncate(path, off + 10)  # the file cut short in gone's slot: gone and short lie past its end
     # Before the sweep gets to them, reading them is a miss, never wrong bytes.
     reopened = DiskTier(tmp_path, 8 * MB)
     assert reopened.get_many([gone, short])[1] is None or not reopened.swept.is_set()
     # The sweep drops what is left of them: only the intact block remains.
     assert reopened.swept.wait(30)
     assert reopened.keys() == [fine]
-    assert not reopened.path_of(short).exists()
+    assert reopened.location_of(short) is None
     assert reopened.stats.used_bytes == block_for(fine).numel() == 8 * MB - reopened.free_bytes()
     reopened.close()
+
+
+def test_a_directory_of_the_one_file_per_block_layout_is_set_aside_and_removed(tmp_path):
+    # What an earlier version left: data/<hash hex> files and their index.
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / keys(1)[0].hex()).write_bytes(b"x" * 100)
+    (tmp_path / "index.lmdb").mkdir()
+    tier = DiskTier(tmp_path, 8 * MB)
+    # The tier starts empty in its own layout and works; the sweep removes the old one.
+    assert tier.keys() == [] and tier.put_many(keys(1), [block_for(keys(1)[0])]) == [True]
+    assert tier.swept.wait(30)
+    assert not (tmp_path / "data").exists() and not list(tmp_path.glob("*old-layout*"))
+    tier.close()
 
 
 def test_capacity_is_respected(tmp_path):
@@ -283,16 +334,14 @@ def test_sigkill_mid_write_never_leaves_a_torn_block(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         assert proc.returncode == -signal.SIGKILL, "writer ended before it was killed"
-        # Reopening serves at once and its sweep cleans up; every indexed block reads back byte-exact.
+        # Reopening serves at once; every indexed block reads back byte-exact, each from a slot of its own.
         tier = DiskTier(tmp_path, capacity)
         assert tier.swept.wait(30)
-        assert temp_files(tmp_path) == []
         held = tier.keys()
         got = tier.get_many(held)
         assert all(g is not None and torch.equal(g, block_for(h)) for g, h in zip(got, held))
         assert tier.stats.corrupt == 0 and tier.stats.used_bytes <= capacity
-        on_disk = {p.name for p in (tmp_path / "data").glob("*") if not p.name.startswith(".")}
-        assert on_disk == {h.hex() for h in held}
+        assert len({tier.location_of(h) for h in held}) == len(held)
         tier.close()
         rounds += 1
         seen += len(held)
@@ -324,28 +373,26 @@ def test_full_filesystem_refuses_puts_without_damage(tmp_path, monkeypatch):
     root = tmp_path / "small"
     mounted = _mount_tmpfs(root, "1m")
     if not mounted:
-        # Fallback (not root / mount not permitted): data writes past 1 MiB fail with ENOSPC.
-        real_write, written = os.write, [0]
+        # Fallback (not root / mount not permitted): segment space past 1 MiB is refused with ENOSPC.
+        real_allocate, allocated = os.posix_fallocate, [0]
 
-        def write_until_full(fd, data):
-            if written[0] + len(data) > MB:
+        def allocate_until_full(fd, offset, length):
+            if allocated[0] + length > MB:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            written[0] += len(data)
-            return real_write(fd, data)
+            allocated[0] += length
+            return real_allocate(fd, offset, length)
 
-        monkeypatch.setattr(os, "write", write_until_full)
+        monkeypatch.setattr(os, "posix_fallocate", allocate_until_full)
     try:
         # The tier believes it has 64 MiB; the filesystem under it holds 1 MiB.
         tier = DiskTier(root, 64 * MB)
         stored, refused = _fill_until_refused(tier, seed=5)
         assert stored and refused, "the filesystem never filled up"
-        assert temp_files(root) == [] and tier.stats.errors == 0
+        assert tier.stats.errors == 0
         assert tier.contains_many([h for h, _ in refused]) == [False]
         assert all(torch.equal(g, o) for g, (_, o) in zip(tier.get_many([h for h, _ in stored]), stored))
         # After deleting, the space is usable again; a reopen sees exactly the stored blocks.
         tier.delete_many([h for h, _ in stored[:4]])
-        if not mounted:
-            monkeypatch.setattr(os, "write", real_write)
         assert tier.put_many([refused[0][0]], [refused[0][1]]) == [True]
         tier.close()
         reopened = DiskTier(root, 64 * MB)

@@ -1,7 +1,7 @@
 """The disk tier's index heals itself: random bytes in it, a truncated or
 emptied index, damage met by a later write, a deleted LOCK file. Each time
 the tier opens (never a crash, never an exception), serves every block whose
-data file is whole, and counts the heal."""
+slot is whole, and counts the heal."""
 from __future__ import annotations
 
 import os
@@ -46,7 +46,7 @@ def index_file(root: Path) -> Path:
     return root / "index.lmdb" / "data.mdb"
 
 
-def test_random_bytes_in_the_index_are_healed_from_the_data_files(tmp_path):
+def test_random_bytes_in_the_index_are_healed_from_the_slots(tmp_path):
     made = filled(tmp_path)
     # Bytes of the index's pages in use overwritten at random, several times over.
     f, rng = index_file(tmp_path), random.Random(5)
@@ -86,22 +86,24 @@ def test_a_truncated_index_is_set_aside_before_lmdb_maps_it(tmp_path):
 def test_an_emptied_index_is_rebuilt_and_damaged_files_are_left_out(tmp_path):
     made = filled(tmp_path)
     tier = DiskTier(tmp_path, 8 * MB, check=intact)
-    bad = tier.path_of(made[3][0])
+    path, off, _ = tier.location_of(made[3][0])
     tier.close()
-    # The index truncated to nothing, and one data file damaged meanwhile.
+    # The index truncated to nothing, and one object damaged meanwhile.
     index_file(tmp_path).write_bytes(b"")
-    with open(bad, "r+b") as fh:
-        fh.seek(500)
+    with open(path, "r+b") as fh:
+        fh.seek(off + 500)
         fh.write(b"\xff" * 8)
     tier = DiskTier(tmp_path, 8 * MB, check=intact)
     got = tier.get_many([h for h, _ in made])
-    # Every whole block is back; the damaged one is a miss and its file is gone.
+    # Every whole block is back; the damaged one is a miss and its slot is cleared for reuse.
     assert [g is not None for g in got] == [j != 3 for j in range(len(made))]
-    assert not bad.exists()
+    with open(path, "rb") as fh:
+        fh.seek(off - 32)
+        assert fh.read(32) == bytes(32)
     tier.close()
 
 
-def test_damage_met_while_open_rebuilds_the_index_from_the_data_files(tmp_path):
+def test_damage_met_while_open_rebuilds_the_index_from_the_slots(tmp_path):
     made = filled(tmp_path)
     tier = DiskTier(tmp_path, 8 * MB, check=intact)
     # The index's pages past the meta pages overwritten under the open tier.
@@ -109,7 +111,7 @@ def test_damage_met_while_open_rebuilds_the_index_from_the_data_files(tmp_path):
     with open(f, "r+b") as fh:
         fh.seek(2 * 4096)
         fh.write(random.Random(7).randbytes(bytes_in_use(f.parent) - 2 * 4096))
-    # Reads and writes go on (the index is rebuilt from the data files) and nothing is lost.
+    # Reads and writes go on (the index is rebuilt from the slots) and nothing is lost.
     more = blocks(5, start=1000)
     assert all(tier.put_many([h for h, _ in more], [o for _, o in more]))
     assert tier.delete_many([made[0][0]]) == 1
@@ -130,6 +132,6 @@ def test_without_a_check_a_damaged_index_starts_empty(tmp_path):
     filled(tmp_path, 5)
     index_file(tmp_path).write_bytes(b"\x00" * 8192)
     tier = DiskTier(tmp_path, 8 * MB)
-    # Nothing can vouch for the files: they are removed, not trusted.
-    assert tier.stats.blocks == 0 and not any((tmp_path / "data").iterdir())
+    # Nothing can vouch for the slots: the segment files are emptied, not trusted.
+    assert tier.stats.blocks == 0 and all(p.stat().st_size == 0 for p in (tmp_path / "segments").iterdir())
     tier.close()

@@ -11,6 +11,7 @@ from cache_service.config import load_config
 from cache_service.factory import open_store
 from cache_service.blocks.objects import encode
 from tests.cache_service.store.store_helpers import NS, OBJ, all_same, hashes, make_store, payload_for, same
+from tests.tiers.disk_objects import read_at, write_at
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -59,16 +60,16 @@ def test_disk_blocks_survive_a_new_process(tmp_path):
     store.close()
 
 
-def _corrupt(path: Path, how: str, other: Path) -> None:
-    data = path.read_bytes()
+def _corrupt(place, how: str, other) -> None:
+    data = read_at(place)
     if how == "truncate":
-        path.write_bytes(data[: len(data) // 2])
+        write_at(place, data[: len(data) // 2])
     elif how == "bitflip":
-        path.write_bytes(data[:500] + bytes([data[500] ^ 4]) + data[501:])
+        write_at(place, data[:500] + bytes([data[500] ^ 4]) + data[501:])
     elif how == "swap":
-        path.write_bytes(other.read_bytes())
+        write_at(place, read_at(other))
     elif how == "delete":
-        path.unlink()
+        write_at(place, None)
 
 
 @pytest.mark.parametrize("how", ["truncate", "bitflip", "swap", "delete"])
@@ -79,7 +80,7 @@ def test_damaged_disk_files_are_misses_never_returned(tmp_path, how):
         store.store(NS, hs, [payload_for(h) for h in hs])
     store = make_store(tmp_path)
     disk = store.tiers[1]
-    _corrupt(disk.path_of(hs[2]), how, disk.path_of(hs[3]))
+    _corrupt(disk.location_of(hs[2]), how, disk.location_of(hs[3]))
     # the damaged block is a miss; the prefix ends there; the others load exactly
     got = store.load(NS, hs)
     assert got[2] is None

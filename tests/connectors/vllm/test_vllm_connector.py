@@ -31,6 +31,7 @@ from connectors.client import connect
 from tests.connectors.vllm.oracle import blocks_as_tokens, same, tokens
 from tests.connectors.vllm.conftest import child_env
 from tests.integration.conftest import in_ci
+from tests.tiers.disk_objects import place_of, read_at, write_at
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -136,10 +137,10 @@ def story(vllm_python, tmp_path_factory) -> Story:
     ns = ns_from_canonical(p1["namespace"])
     # 2. one of Y's blocks rots on disk
     h = prefix_hashes(ns, Y)[Y_BAD_BLOCK]
-    path = root / "store" / "data" / h.hex()  # tiers/disk.py: one flat data directory
-    data = bytearray(path.read_bytes())
+    place = place_of(root / "store", h)  # from the daemon's disk index, as a bystander
+    data = bytearray(read_at(place))
     data[300] ^= 0xFF
-    path.write_bytes(bytes(data))
+    write_at(place, bytes(data))
     # 3. our engine reads X and writes Z
     eng = run_engine(model, root, ns)
     # 4. a NEW vLLM process loads X, recovers Y, loads Z

@@ -1,0 +1,243 @@
+"""The disk tier's data (tiers/disk.py): block objects in slots of
+preallocated segment files, not one file per block.
+
+One file per block costs a file creation, an fsync and a rename per block:
+2-6x the device's write rate at real block sizes and 50-80x at small ones
+(docs/benchmarks.md, issue 19). Here a batch's objects are written into
+slots with one `pwritev` each and made durable with one fdatasync per
+segment file touched.
+
+Layout under `root`:
+
+    <slot size>-<n>    segment files of slots of one size (header + object,
+                       rounded up); slot s of that size lives in file
+                       s // per_file at (s % per_file) * slot size
+
+A slot begins with a 32-byte header (magic, object size, xxh3_64 of the
+object, block hash), so a lost index can be rebuilt from the slots alone
+(`scan`) and a read can tell a slot that holds another block. Files grow in
+`GROW_BYTES` steps by fallocate, so a full filesystem refuses the write
+(ENOSPC) instead of a later write into a hole; at the end, only what the
+slot needs. Which slots are free is not recorded here: the index holds the
+slot of every block (tiers/disk_space.py tracks the rest).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import threading
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import xxhash
+
+from tiers.disk_index import RECORD
+from tiers.types import HASH_BYTES, BlockHash
+
+log = logging.getLogger(__name__)
+HEAD = struct.Struct("<4sIQ16s")  # magic, object size, xxh3_64 of the object, block hash
+MAGIC = b"TKVS"
+_EMPTY_HEAD = bytes(HEAD.size)
+SEGMENT_BYTES = 1 << 30  # per segment file (at least one slot)
+GROW_BYTES = 64 << 20  # fallocate step
+Check = Callable[[BlockHash, memoryview], bool]  # whether a slot's object is a whole object of that block
+
+
+def slot_size(size: int) -> int:
+    """The slot an object of `size` bytes takes: header + object, rounded to
+    4 KiB for page-sized objects and to 256 B for small ones."""
+    need = HEAD.size + size
+    step = 4096 if need > 8192 else 256
+    return -(-need // step) * step
+
+
+def slot_sizes(sizes: np.ndarray) -> np.ndarray:
+    """`slot_size` of each of `sizes` (uint64 array)."""
+    need = sizes.astype(np.int64) + HEAD.size
+    step = np.where(need > 8192, 4096, 256)
+    return -(-need // step) * step
+
+
+def per_file(slot: int) -> int:
+    """Slots of `slot` bytes in one segment file."""
+    return max(1, SEGMENT_BYTES // slot)
+
+
+def place(size: int, s: int) -> tuple[tuple[int, int], int]:
+    """((slot size, file number), offset of the slot) of slot `s` for an object of `size` bytes."""
+    slot = slot_size(size)
+    return (slot, s // per_file(slot)), (s % per_file(slot)) * slot
+
+
+def name(key: tuple[int, int]) -> str:
+    """The file name of segment `key` (slot size, file number)."""
+    return f"{key[0]}-{key[1]}"
+
+
+def parse(name: str) -> tuple[int, int] | None:
+    """The key of a segment file's name, or None for anything else."""
+    slot, _, n = name.partition("-")
+    return (int(slot), int(n)) if slot.isdigit() and n.isdigit() else None
+
+
+class Segments:
+    """Segment files under `root` (see the module docstring). Thread-safe:
+    distinct slots are written and read concurrently."""
+
+    def __init__(self, root: Path, sync: bool) -> None:
+        self.root, self._sync = root, sync
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._fds: dict[tuple[int, int], int] = {}  # (slot size, file number) -> fd
+        self._ends: dict[tuple[int, int], int] = {}  # bytes allocated in each file
+        self._lock = threading.Lock()
+
+    def _place(self, size: int, s: int) -> tuple[tuple[int, int], int]:
+        return place(size, s)
+
+    def path(self, key: tuple[int, int]) -> Path:
+        return self.root / name(key)
+
+    def _fd(self, key: tuple[int, int]) -> int:
+        with self._lock:
+            fd = self._fds.get(key)
+            if fd is None:
+                fd = self._fds[key] = os.open(self.path(key), os.O_RDWR | os.O_CREAT, 0o644)
+                self._ends[key] = os.fstat(fd).st_size
+            return fd
+
+    def _grow(self, key: tuple[int, int], fd: int, end: int) -> None:
+        """Allocate the file up to `end` bytes (a step past it when the disk has room)."""
+        with self._lock:
+            have = self._ends[key]
+            if end <= have:
+                return
+            cap = per_file(key[0]) * key[0]
+            try:
+                os.posix_fallocate(fd, have, min(max(end, have + GROW_BYTES), cap) - have)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                os.posix_fallocate(fd, have, end - have)  # ENOSPC again: the disk is full
+            self._ends[key] = max(os.fstat(fd).st_size, end)
+
+    def write(self, h: BlockHash, data: memoryview, s: int, csum: int) -> tuple[int, int]:
+        """Write the object `data` of block `h` (checksum `csum`) into slot `s`
+        of its size; the file's key, to `sync`. Raises OSError (ENOSPC: full)."""
+        key, off = self._place(len(data), s)
+        fd = self._fd(key)
+        self._grow(key, fd, off + key[0])
+        head = HEAD.pack(MAGIC, len(data), csum, h)
+        n = os.pwritev(fd, [head, data], off)
+        if n != HEAD.size + len(data):  # short write: finish it plainly
+            whole = head + bytes(data)
+            while n < len(whole):
+                n += os.pwrite(fd, whole[n:], off + n)
+        return key
+
+    def sync(self, keys: set[tuple[int, int]]) -> None:
+        """Make the slots written to those files durable (fdatasync each)."""
+        if self._sync:
+            for key in keys:
+                os.fdatasync(self._fd(key))
+
+    def read(self, h: BlockHash, size: int, csum: int, s: int, buf: torch.Tensor) -> bool:
+        """Read block `h`'s object from slot `s` into `buf` (`size` bytes):
+        True if the slot's header names it and the bytes have checksum `csum`."""
+        key, off = self._place(size, s)
+        head = bytearray(HEAD.size)
+        view = memoryview(buf.numpy())[:size]
+        if os.preadv(self._fd(key), [head, view], off) != HEAD.size + size:
+            return False
+        if HEAD.unpack(head) != (MAGIC, size, csum, h):
+            return False
+        return xxhash.xxh3_64_intdigest(view) == csum
+
+    def keep(self, size: int, s: int, dest: Path) -> None:
+        """Copy the object bytes in slot `s`, as they are, to file `dest` (quarantine)."""
+        key, off = self._place(size, s)
+        try:
+            dest.write_bytes(os.pread(self._fd(key), size, off + HEAD.size))
+        except OSError as e:
+            log.warning("segments %s: keeping slot %d of %s in quarantine failed: %s", self.root, s, key, e)
+
+    def clear(self, size: int, s: int) -> None:
+        """Zero slot `s`'s header: a freed slot is not read back as a block by `scan`."""
+        key, off = self._place(size, s)
+        os.pwrite(self._fd(key), _EMPTY_HEAD, off)
+
+    def ends(self) -> dict[tuple[int, int], int]:
+        """Each segment file's length (bytes)."""
+        out = {}
+        for p in self.root.iterdir():
+            key = parse(p.name)
+            if key is not None:
+                out[key] = p.stat().st_size
+        return out
+
+    def headed(self, h: BlockHash, size: int, csum: int, s: int, ends: dict[tuple[int, int], int]) -> bool:
+        """Whether slot `s` lies inside its file (lengths `ends`) and its header
+        names block `h` with this size and checksum (the object is not read)."""
+        key, off = self._place(size, s)
+        if off + HEAD.size + size > ends.get(key, 0):
+            return False
+        return HEAD.unpack(os.pread(self._fd(key), HEAD.size, off)) == (MAGIC, size, csum, h)
+
+    def located(self, size: int, s: int) -> tuple[Path, int]:
+        """(segment file, offset of the object's bytes) of slot `s`."""
+        key, off = self._place(size, s)
+        return self.path(key), off + HEAD.size
+
+    def scan(self, check: Check | None) -> Iterator[tuple[BlockHash, int, int, int]]:
+        """(hash, size, checksum, slot) of every slot whose object `check`
+        finds whole for the hash its header names; other slots are cleared.
+        Without a check nothing is trusted: the files are emptied."""
+        for key, length in sorted(self.ends().items()):
+            slot, per = key[0], per_file(key[0])
+            fd = self._fd(key)
+            if check is None:
+                os.ftruncate(fd, 0)
+                with self._lock:
+                    self._ends[key] = 0
+                continue
+            for i in range(min(per, length // slot)):
+                found = self._scan_one(fd, key[1] * per + i, slot, i * slot, check)
+                if found is not None:
+                    yield found
+
+    def records(self, check: Check | None, stamp: int) -> tuple[dict[bytes, bytes], dict[int, set[int]]]:
+        """Index records (last access `stamp`) of the whole objects `scan`
+        finds, one per block (a second copy's slot is cleared), and the
+        slots they use per slot size."""
+        kept: dict[bytes, bytes] = {}
+        used: dict[int, set[int]] = {}
+        for h, size, csum, s in self.scan(check):
+            if h in kept:
+                self.clear(size, s)
+                continue
+            kept[h] = RECORD.pack(size, csum, s, stamp)
+            used.setdefault(slot_size(size), set()).add(s)
+        return kept, used
+
+    def _scan_one(self, fd: int, s: int, slot: int, off: int, check: Check) -> tuple[BlockHash, int, int, int] | None:
+        body = os.pread(fd, slot, off)
+        magic, size, csum, h = HEAD.unpack_from(body) if len(body) >= HEAD.size else (b"", 0, 0, b"")
+        if magic == MAGIC and slot_size(size) == slot and len(body) >= HEAD.size + size:
+            obj = memoryview(body)[HEAD.size:HEAD.size + size]
+            if xxhash.xxh3_64_intdigest(obj) == csum and check(BlockHash(h), obj):
+                return BlockHash(h), size, csum, s
+        if magic != b"\0\0\0\0":
+            os.pwrite(fd, _EMPTY_HEAD, off)
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+assert HEAD.size == 32 and HASH_BYTES == 16
