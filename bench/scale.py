@@ -21,7 +21,8 @@ store (`open_store`, cpu -> disk, as `local://` builds it):
   less everything else it does); and, for the layout question (#19 item
   3), the same objects as one file each (write, fsync by 8 threads,
   rename, one directory fsync per batch) against segment slots, at this
-  bench's block size and at real models'.
+  bench's block size and at real models'. The same store rate with
+  SmolLM2-135M's blocks (368 KiB) shows the device's share at real sizes.
 
 The 10M figures are extrapolated from the last two points (labelled so).
 Usage: python bench/scale.py [--quick] [--dir D] [--plot PNG]; --quick: 100k
@@ -51,6 +52,7 @@ from cache_service.blocks.objects import encode  # noqa: E402
 from cache_service.store.writer import WRITE_BATCH  # noqa: E402
 
 NS = Namespace("scale-bench", "bfloat16", num_layers=1, kv_heads=1, head_dim=16, block_tokens=16)
+SMOLLM2 = Namespace("scale-bench-smollm2", "bfloat16", num_layers=30, kv_heads=3, head_dim=64, block_tokens=16)
 BATCH = 2000
 FILE_SYNC_THREADS = 8  # raw files fsynced concurrently (the one-file-per-block layout's best rate here)
 
@@ -59,8 +61,8 @@ def key(i: int) -> bytes:
     return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
 
 
-def payload(i: int) -> torch.Tensor:
-    return torch.full(NS.block_shape, float(i % 251), dtype=torch.bfloat16)
+def payload(i: int, ns: Namespace = NS) -> torch.Tensor:
+    return torch.full(ns.block_shape, float(i % 251), dtype=torch.bfloat16)
 
 
 def fill(root: Path, start: int, end: int) -> float:
@@ -114,6 +116,7 @@ def probe(root: Path, n: int, scratch: Path) -> dict:
     lat.sort()
     anon = rss_bytes("RssAnon:") - anon_before
     ours, raw = store_rate(store, n, scratch)
+    real, real_raw = store_rate(store, n, scratch, 128, 2, SMOLLM2, 2 * 10**9)  # a real model's blocks: the device's share
     obj = encode(NS, key(0), payload(0)).numpy().tobytes()
     files = files_rate(scratch, 4000, [obj])
     store.close()
@@ -124,10 +127,12 @@ def probe(root: Path, n: int, scratch: Path) -> dict:
             "rss_open_bytes_per_block": rss / n, "anon_rss_bytes_per_block_after_sweep": anon / n, "raw_files_blocks_s": files,
             "index_bytes_per_block": bytes_in_use(root / "index.lmdb") / n,
             "lookup256_us_p50": lat[len(lat) // 2], "lookup256_us_p99": lat[int(len(lat) * 0.99)],
-            "store_blocks_s": ours, "raw_blocks_s": raw, "store_rate_vs_raw": ours / raw}  # raw: segment writes
+            "store_blocks_s": ours, "raw_blocks_s": raw, "store_rate_vs_raw": ours / raw,  # raw: segment writes
+            "smollm2_store_blocks_s": real, "smollm2_store_rate_vs_raw": real / real_raw}
 
 
-def store_rate(store, n: int, scratch: Path, count: int = 4096, rounds: int = 4) -> tuple[float, float]:
+def store_rate(store, n: int, scratch: Path, count: int = 4096, rounds: int = 4,
+               ns: Namespace = NS, base: int = 10**9) -> tuple[float, float]:
     """Blocks/s of new blocks stored and flushed (fsync on), and of raw
     writes of the same objects into slots of a segment file, one fdatasync
     per batch the store's writer takes (what the disk tier does, less all
@@ -136,13 +141,13 @@ def store_rate(store, n: int, scratch: Path, count: int = 4096, rounds: int = 4)
     ours, raw = [], []
     per = count // rounds
     for r in range(rounds):
-        ids = range(n + 10**9 + r * per, n + 10**9 + (r + 1) * per)
+        ids = range(n + base + r * per, n + base + (r + 1) * per)
         hs = [key(i) for i in ids]
-        payloads = [payload(i) for i in ids]
-        objs = [encode(NS, h, p).numpy().tobytes() for h, p in zip(hs, payloads)]
+        payloads = [payload(i, ns) for i in ids]
+        objs = [encode(ns, h, p).numpy().tobytes() for h, p in zip(hs, payloads)]
         t0 = time.perf_counter()
         for a in range(0, per, 64):
-            store.store(NS, hs[a:a + 64], payloads[a:a + 64])
+            store.store(ns, hs[a:a + 64], payloads[a:a + 64])
         assert store.flush(300)
         ours.append(per / (time.perf_counter() - t0))
         raw.append(segment_rate(scratch, per, objs, WRITE_BATCH))
@@ -275,7 +280,7 @@ def main() -> None:
                   f"B/block  "
                   f"index {row['index_bytes_per_block']:.0f} B/block  lookup256 p50/p99 "
                   f"{row['lookup256_us_p50']:.0f}/{row['lookup256_us_p99']:.0f} us  store {row['store_blocks_s']:.0f} "
-                  f"blocks/s ({row['store_rate_vs_raw']:.2f} of raw)  sweep done {row['sweep_s']:.1f} s  anon RSS "
+                  f"blocks/s ({row['store_rate_vs_raw']:.2f} of raw; SmolLM2 blocks {row['smollm2_store_rate_vs_raw']:.2f})  sweep done {row['sweep_s']:.1f} s  anon RSS "
                   f"after it {row['anon_rss_bytes_per_block_after_sweep']:.0f} B/block  raw segment/files "
                   f"{row['raw_blocks_s']:.0f}/{row['raw_files_blocks_s']:.0f} blocks/s", flush=True)
     finally:
@@ -295,6 +300,7 @@ def main() -> None:
                       f"lookup256_us_p99_{tag}": round(last["lookup256_us_p99"], 1),
                       "reopen_growth": round(curve[-1]["reopen_s"] / curve[0]["reopen_s"], 2) if len(curve) > 1 else None,
                       "store_rate_vs_raw": round(last["store_rate_vs_raw"], 3),
+                      "smollm2_store_rate_vs_raw": round(last["smollm2_store_rate_vs_raw"], 3),
                       "segment_vs_files_raw": round(last["raw_blocks_s"] / last["raw_files_blocks_s"], 2),
                       "segment_vs_files_by_size": {r["bytes"]: round(r["segment_vs_files"], 2) for r in table}}))
 
