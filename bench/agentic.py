@@ -33,7 +33,7 @@ from bench._procs import free_port, wait_port  # noqa: E402
 
 MODEL = "smollm2"
 VLLM_PAGE = 128  # vLLM's CPU block size: its prefix cache and connectors load whole pages
-MAX_MODEL_LEN = {True: 3072, False: 6144}  # by --quick: the trace's longest conversation (a sub-agent's) fits
+MAX_MODEL_LEN = 3072  # the longest conversation of either trace (~2k tokens) fits, with room
 TPOT_SLO_FACTOR = 4  # a batch of up to 8 decoding sessions shares 2 cores: 4x the unloaded TPOT is still fluent
 CACHE_MEMORY_GIB = 0.25  # the tierkv daemon's CPU tier and LMCache's L1, alike: below the trace's unique KV (disk below)
 BYTES_PER_TOKEN = {"float32": 46_080, "bfloat16": 23_040}  # SmolLM2: 30 layers x K,V x 3 heads x 64
@@ -67,6 +67,10 @@ SYSTEMS = [System("vllm"), System("vllm_offloading", connector="offloading"),
 QUICK = replace(TraceShape(), sessions=6, turns=(3, 4), system_tokens=600, tool_tokens=(100, 300),
                 output_tokens=(16, 32))
 QUICK_SYSTEMS = ["vllm", "vllm_lmcache", "vllm_tierkv", "vllm_tierkv_hints"]
+# the full run: every system at three rates within 25 minutes here (a vLLM start costs 25-35 s, a rate ~1 min), so
+# sessions of 3-5 turns; TraceShape() itself (12 sessions of 6-10 turns) takes over 2 hours on 2 cores
+FULL = replace(TraceShape(), sessions=6, turns=(3, 5), tool_tokens=(120, 360), output_tokens=(16, 40))
+FULL_RATES = [0.25, 0.5, 1.0]
 
 
 class Run:
@@ -281,8 +285,8 @@ def main() -> int:
     import torch
 
     dtype = auto_dtype(torch.device("cpu"))
-    shape = QUICK if args.quick else TraceShape()
-    rates = [float(r) for r in args.rates.split(",")] if args.rates else ([0.5] if args.quick else [0.1, 0.2, 0.4])
+    shape = QUICK if args.quick else FULL
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else ([0.5] if args.quick else FULL_RATES)
     wanted = set(args.systems.split(",")) if args.systems else set(QUICK_SYSTEMS if args.quick else
                                                                    [s.name for s in SYSTEMS])
     venv_py = REPO / os.environ.get("TIERKV_VLLM_VENV", ".venv-vllm") / "bin" / "python"
@@ -293,7 +297,7 @@ def main() -> int:
     with open(work / "servers.log", "w") as log:
         for s in [s for s in SYSTEMS if s.name in wanted]:
             rows, res, slo = run_system(s, rates, shape, work, venv_py, dtype, str(resolve_model(MODEL)), log, slo,
-                                        MAX_MODEL_LEN[args.quick])
+                                        MAX_MODEL_LEN)
             for rate, row in rows.items():
                 table[(s.name, rate)], results[(s.name, rate)] = row, res[rate]
                 print(f"rate {rate}: {s.name:<20} " + " ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
