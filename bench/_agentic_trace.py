@@ -67,24 +67,29 @@ def system_prompt(rng: random.Random, tokens: int) -> str:
             + tools + " " + _text(rng, max(0, tokens // 2 - 200), "rule"))
 
 
-def make_trace(shape: TraceShape, rate: float, seed: int) -> tuple[str, list[SessionSpec]]:
-    """(the shared system prompt, the sessions) for sessions arriving at `rate` per second."""
-    rng = random.Random(seed)
-    system, t, sessions = system_prompt(rng, shape.system_tokens), 0.0, []
+def make_trace(shape: TraceShape, rate: float, seed: int, variant: int = 0) -> tuple[str, list[SessionSpec]]:
+    """(the shared system prompt, the sessions) for sessions arriving at `rate` per second.
+
+    One seed gives the same sessions at every rate (turn counts, lengths, pauses, forks, arrival gaps scaled
+    by 1/rate), so the curve against the rate measures load, not a different trace; `variant` changes only
+    the words, so what one rate left in a cache cannot serve the next."""
+    rng, words = random.Random(seed), random.Random(seed * 1000 + variant)
+    system, t, sessions = system_prompt(words, shape.system_tokens), 0.0, []
     for i in range(shape.sessions):
-        t += rng.expovariate(rate)
-        s = SessionSpec(f"s{seed}-{i}", t, f"Task {i}: {_text(rng, 30, 'req')}", _turns(rng, shape))
+        t += rng.expovariate(1.0) / rate
+        s = SessionSpec(f"s{seed}v{variant}-{i}", t, f"Task {i}: {_text(words, 30, 'req')}",
+                        _turns(rng, words, shape))
         if rng.random() < shape.fork_share and len(s.turns) > 2:
             s.fork_after = rng.randrange(1, len(s.turns) - 1)
-            s.children.append(SessionSpec(f"{s.sid}-sub", 0.0, f"Sub-task of {i}: {_text(rng, 20, 'sub')}",
-                                          _turns(rng, shape)[: max(2, len(s.turns) // 2)]))
+            s.children.append(SessionSpec(f"{s.sid}-sub", 0.0, f"Sub-task of {i}: {_text(words, 20, 'sub')}",
+                                          _turns(rng, words, shape)[: max(2, len(s.turns) // 2)]))
         sessions.append(s)
     return system, sessions
 
 
-def _turns(rng: random.Random, shape: TraceShape) -> list[Turn]:
+def _turns(rng: random.Random, words: random.Random, shape: TraceShape) -> list[Turn]:
     n = rng.randint(*shape.turns)
-    return [Turn(_text(rng, rng.randint(*shape.tool_tokens) // 2, "out"), rng.randint(*shape.output_tokens),
+    return [Turn(_text(words, rng.randint(*shape.tool_tokens) // 2, "out"), rng.randint(*shape.output_tokens),
                  rng.lognormvariate(math.log(shape.pause_median_s), shape.pause_sigma)) for _ in range(n)]
 
 

@@ -204,8 +204,8 @@ def figures(results: list[Result], slo: dict[str, float]) -> dict[str, float]:
 
 def run_system(s: System, rates: list[float], shape: TraceShape, work: Path, venv_py: Path, dtype: str,
                model_dir: str, log, slo: dict | None, max_len: int) -> tuple[dict, dict, dict | None]:
-    """Start the system once and replay the trace at each rate, each rate with its own seed (its own system
-    prompt and sessions: nothing one rate cached helps the next); (figures, results) per rate."""
+    """Start the system once and replay the trace at each rate: the same sessions, in other words at each
+    rate (nothing one rate cached helps the next); (figures, results) per rate."""
     run = Run(work / s.name, venv_py, dtype, log, max_len)
     run.work.mkdir(parents=True)
     rows, results = {}, {}
@@ -214,7 +214,7 @@ def run_system(s: System, rates: list[float], shape: TraceShape, work: Path, ven
         warm_up(base)
         slo = slo or slo_baseline(base, shape)
         for k, rate in enumerate(rates):
-            system, sessions = make_trace(shape, rate, seed=17 + k)
+            system, sessions = make_trace(shape, rate, seed=17, variant=k)
             align = 16 if s.server == "ours" else VLLM_PAGE
             results[rate] = Replay(base, MODEL, system, align, s.hints).run(sessions)
             rows[rate] = figures(results[rate], slo)
