@@ -132,7 +132,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         ns, keys = self._blocks(first.head, tenant)
         total = self._check_request_bytes(len(keys), ns)
         objs, reader = self._receive_objects(first, request_iterator, ns, keys)
-        if len(objs) < len(keys) and not context.is_active():
+        if len(objs) < len(keys) and _went_away(context):
             raise RequestError(grpc.StatusCode.CANCELLED, "the client went away mid-stream; nothing stored")
         if len(objs) < len(keys):
             raise invalid(f"Store sent {reader.received} bytes; {len(keys)} block objects of {reader.size} "
@@ -273,3 +273,13 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         ns = self._session_ns(request, tenant) if request.HasField("ns") else None
         deleted = self._in_session(self.sessions.delete, owner, request.session_id, ns, key_tenant=tenant)
         return pb.DeleteSessionReply(deleted=deleted)
+
+
+def _went_away(context, wait_s: float = 0.5) -> bool:
+    """Whether a Store stream that ended short was the client cancelling. Its end of stream can reach the
+    handler before the context turns inactive; a client that half-closed short still waits for an answer,
+    so the call does not terminate within `wait_s`."""
+    ended = threading.Event()
+    if not context.add_callback(ended.set):  # already terminated
+        return True
+    return ended.wait(wait_s) or not context.is_active()

@@ -304,6 +304,19 @@ def test_a_client_vanishing_mid_store_stores_nothing(start):
         assert put(c, hs) == 4 and intact(c, hs)
 
 
+def test_a_store_stream_that_ends_short_is_refused_and_stores_nothing(start):
+    d = start()
+    hs = hashes(4)
+    # the client sends one block's bytes for four hashes, then closes its stream and waits for the answer
+    stream = iter([pb.StoreChunk(ns=ns_to_pb(NS), hashes=hs, data=bytes(P))])
+    with pytest.raises(grpc.RpcError) as err:
+        raw(d).Store(stream)
+    # refused as the client's mistake, not taken for a cancellation
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "need" in err.value.details()
+    with GrpcClient(url(d)) as c:
+        assert c.lookup(hs) == 0
+
+
 def test_failures_mid_run_are_misses_not_crashes(start, caplog):
     d = start()
     c = GrpcClient(url(d, "shm"))
