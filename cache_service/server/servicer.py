@@ -132,9 +132,9 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         ns, keys = self._blocks(first.head, tenant)
         total = self._check_request_bytes(len(keys), ns)
         objs, reader = self._receive_objects(first, request_iterator, ns, keys)
-        if len(objs) < len(keys) and _went_away(context):
-            raise RequestError(grpc.StatusCode.CANCELLED, "the client went away mid-stream; nothing stored")
         if len(objs) < len(keys):
+            if _went_away(context):
+                raise RequestError(grpc.StatusCode.CANCELLED, "the client went away mid-stream; nothing stored")
             raise invalid(f"Store sent {reader.received} bytes; {len(keys)} block objects of {reader.size} "
                           f"bytes need {len(keys) * reader.size}")
         stored = self.store.store_objects(ns, keys, objs, verify=False, owned=True)  # checked on arrival
