@@ -330,7 +330,7 @@ class SlotPool(SlotTier):
 
     def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
         with self._lock:
-            return [h in self._index for h in hashes]
+            return list(map(self._index.__contains__, hashes))
 
     def keys(self) -> list[BlockHash]:
         """Held hashes, oldest put first."""

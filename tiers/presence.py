@@ -1,14 +1,17 @@
 """Which blocks a tier of millions holds, in 8 bytes each: lookups at memory speed.
 
-An open-addressing table of the first 8 bytes of each held hash (uint64,
-linear probing, load at most 1/2): about 16 bytes of RAM per block, and a
-lookup of 256 hashes is a few vectorized numpy passes instead of 256 index
-reads. Block hashes are uniform, so their first 8 bytes are the slot (no
-further hashing). Two held or asked hashes that share their first 8 bytes
-would read as each other: a chance of about N / 2**64 per miss asked (1e-13
-at 3M blocks); the cost of one is a lookup that says "held", then a read
-that misses and recomputes, never a wrong block (reads check the index and
-the checksum).
+An open-addressing table of the first 8 bytes of each held hash (uint64) in
+buckets of 8 slots, one 64-byte cache line each; load at most 1/2, so about
+16 bytes of RAM per block. A key lives in its home bucket or, when that was
+full, in the buckets after it. A lookup of 256 hashes reads one bucket per
+hash in one vectorized gather and compares all 8 slots at once; only keys
+whose home bucket is full (no empty slot: ~2% of buckets at load 1/2) look
+further. Block hashes are uniform, so their first 8 bytes pick the bucket
+(no further hashing). Two held or asked hashes that share their first 8
+bytes would read as each other: a chance of about N / 2**64 per miss asked
+(1e-13 at 3M blocks); the cost of one is a lookup that says "held", then a
+read that misses and recomputes, never a wrong block (reads check the index
+and the checksum).
 
 Not thread-safe: the owner serializes `add`, `discard` and `contains`.
 """
@@ -18,9 +21,14 @@ from typing import Sequence
 
 import numpy as np
 
+try:  # the lookup in one C call (setup.py builds it); the numpy `_find` below gives the same answers
+    from tiers._presence import contains as _contains
+except ImportError:  # pragma: no cover - no C compiler where installed
+    _contains = None
+
 _EMPTY, _GONE = 0, 1  # slot values; keys below 2 are stored as 2 (their chance: 2**-63)
-_MIN_SLOTS = 1 << 12
-_STEPS = np.arange(8, dtype=np.uint64)  # slots a probe past the first reads at once
+WAYS = 8  # slots per bucket: 8 uint64 = one cache line
+_MIN_BUCKETS = 1 << 9
 
 
 def keys_of(hashes: Sequence[bytes]) -> np.ndarray:
@@ -33,11 +41,16 @@ def keys_of(hashes: Sequence[bytes]) -> np.ndarray:
     return np.maximum(k, np.uint64(2)).astype(np.uint64, copy=False)
 
 
+def _any_row(flags: np.ndarray) -> np.ndarray:
+    """Per row of a C-contiguous [n, 8] bool array, whether any is set (one u64 each)."""
+    return flags.view(np.uint64)[:, 0] != 0
+
+
 class PresenceTable:
     """A set of block hashes, 8 bytes each; see the module docstring."""
 
     def __init__(self, expected: int = 0) -> None:
-        self._slots = np.zeros(_size_for(expected), dtype=np.uint64)
+        self._buckets = np.zeros((_buckets_for(expected), WAYS), dtype=np.uint64)
         self._live = self._used = 0  # keys held; slots not empty (keys and tombstones)
 
     def __len__(self) -> int:
@@ -45,32 +58,35 @@ class PresenceTable:
 
     @property
     def nbytes(self) -> int:
-        return self._slots.nbytes
+        return self._buckets.nbytes
 
     def contains(self, hashes: Sequence[bytes]) -> list[bool]:
         """Whether each hash is held."""
         if not hashes:
             return []
+        if _contains is not None:
+            return _contains(self._buckets, hashes)
         return self._find(keys_of(hashes))[0].tolist()
 
     def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(found, slot index where found or where the probe ended) per key."""
-        mask = np.uint64(len(self._slots) - 1)
-        idx = keys & mask
-        v = self._slots[idx]  # the first probe, for all at once: most end here
-        found = v == keys
-        active = np.flatnonzero(~found & (v != _EMPTY))
-        idx[active] = (idx[active] + np.uint64(1)) & mask
-        while active.size:  # the rest: a window of slots each (slots once used are never empty again,
-            where = (idx[active][:, None] + _STEPS) & mask  # so a key lies before any empty one of its chain)
-            win = self._slots[where]
+        """(found, [bucket, way] where found) per key; the second is
+        meaningful only where found."""
+        mask = len(self._buckets) - 1
+        bucket = (keys & np.uint64(mask)).astype(np.intp)
+        win = np.take(self._buckets, bucket, axis=0)  # one cache line per key
+        eq = win == keys[:, None]
+        found = _any_row(eq)
+        way = eq.argmax(axis=1)
+        active = np.flatnonzero(~found & ~_any_row(win == _EMPTY))  # home bucket full: look on
+        while active.size:
+            bucket[active] = (bucket[active] + 1) & mask
+            win = np.take(self._buckets, bucket[active], axis=0)
             eq = win == keys[active][:, None]
-            hit = eq.any(axis=1)
+            hit = _any_row(eq)
             found[active[hit]] = True
-            idx[active[hit]] = where[hit, eq[hit].argmax(axis=1)]
-            active = active[~hit & ~(win == _EMPTY).any(axis=1)]
-            idx[active] = (idx[active] + np.uint64(len(_STEPS))) & mask
-        return found, idx
+            way[active[hit]] = eq[hit].argmax(axis=1)
+            active = active[~hit & ~_any_row(win == _EMPTY)]
+        return found, np.stack([bucket, way], axis=1)
 
     def add(self, hashes: Sequence[bytes]) -> None:
         """Hold these hashes (those held already are unchanged)."""
@@ -80,41 +96,47 @@ class PresenceTable:
     def _add_keys(self, keys: np.ndarray) -> None:
         found, _ = self._find(keys)
         keys = keys[~found]
-        if 2 * (self._used + len(keys)) > len(self._slots):
+        if 2 * (self._used + len(keys)) > self._buckets.size:
             self._grow(len(keys))
         self._place(keys)
 
     def _place(self, keys: np.ndarray) -> None:
-        """Insert distinct keys not held, each in the first free slot of its probe."""
-        mask = np.uint64(len(self._slots) - 1)
-        idx = keys & mask
+        """Insert distinct keys not held, each in the first free slot of its bucket chain."""
+        mask = len(self._buckets) - 1
+        bucket = (keys & np.uint64(mask)).astype(np.intp)
         self._live += len(keys)
         while keys.size:
-            v = self._slots[idx]
-            free = np.flatnonzero((v == _EMPTY) | (v == _GONE))
-            slots, first = np.unique(idx[free], return_index=True)  # one key per free slot this round
-            self._used += int(np.count_nonzero(self._slots[slots] == _EMPTY))
-            self._slots[slots] = keys[free[first]]
-            placed = np.zeros(len(keys), dtype=bool)
-            placed[free[first]] = True
-            keys, idx = keys[~placed], (idx[~placed] + np.uint64(1)) & mask
+            win = np.take(self._buckets, bucket, axis=0)
+            free = (win == _EMPTY) | (win == _GONE)
+            room = np.flatnonzero(_any_row(free))
+            _, first = np.unique(bucket[room], return_index=True)  # one key per bucket this round
+            chosen = room[first]
+            way = free[chosen].argmax(axis=1)
+            self._used += int(np.count_nonzero(self._buckets[bucket[chosen], way] == _EMPTY))
+            self._buckets[bucket[chosen], way] = keys[chosen]
+            full = np.ones(len(keys), dtype=bool)
+            full[room] = False  # keys whose bucket had room retry it; the others move on
+            bucket[full] = (bucket[full] + 1) & mask
+            left = np.ones(len(keys), dtype=bool)
+            left[chosen] = False
+            keys, bucket = keys[left], bucket[left]
 
     def discard(self, hashes: Sequence[bytes]) -> None:
         """Stop holding these hashes (those not held are ignored)."""
         if not hashes:
             return
-        found, idx = self._find(np.unique(keys_of(hashes)))
-        self._slots[idx[found]] = _GONE
+        found, where = self._find(np.unique(keys_of(hashes)))
+        self._buckets[where[found, 0], where[found, 1]] = _GONE
         self._live -= int(np.count_nonzero(found))
 
     def _grow(self, more: int) -> None:
         """Rehash into a table sized for the live keys plus `more` (tombstones dropped)."""
-        live = self._slots[self._slots > _GONE]
-        self._slots = np.zeros(_size_for(len(live) + more), dtype=np.uint64)
+        live = self._buckets[self._buckets > _GONE]
+        self._buckets = np.zeros((_buckets_for(len(live) + more), WAYS), dtype=np.uint64)
         self._live = self._used = 0
         self._place(live)
 
 
-def _size_for(n: int) -> int:
-    """Slots for n keys at a load of at most 3/8 (room to grow before the next rehash)."""
-    return max(_MIN_SLOTS, 1 << int(np.ceil(np.log2(max(1, n) * 8 / 3))))
+def _buckets_for(n: int) -> int:
+    """Buckets for n keys at a load of at most 3/8 (room to grow before the next rehash)."""
+    return max(_MIN_BUCKETS, 1 << max(0, int(np.ceil(np.log2(max(1, n) * 8 / 3 / WAYS)))))

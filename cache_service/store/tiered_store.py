@@ -49,6 +49,7 @@ from cache_service.config import StoreConfig
 from cache_service.store.eviction.base import EvictionPolicy
 from cache_service.store.pins import PinBook
 from cache_service.store.placement import Placement
+from cache_service.store.prefix import held_prefix
 from cache_service.store.shared_slots import SharedSlots
 from cache_service.store.state import StoreState
 from cache_service.store.writer import Item, TierWriter
@@ -90,16 +91,11 @@ class TieredStore:
         """Length of the longest prefix of `hashes` that some tier fully holds."""
         with self._state.meta:
             inflight = self._state.inflight
-            held = [h in inflight for h in hashes] if inflight else [False] * len(hashes)
-        for tier in self.tiers:
-            todo = [j for j, ok in enumerate(held) if not ok]
-            if not todo:
-                break
-            for j, ok in zip(todo, tier.contains_many([hashes[j] for j in todo])):
-                held[j] = ok
-        n = held.index(False) if False in held else len(held)
-        if n < len(held) and self._reads_s3:
-            n += self._directory_prefix(hashes[n:], held[n:])
+            asked = [(0, list(map(inflight.__contains__, hashes)))] if inflight else []
+        n = held_prefix(hashes, self.tiers, asked)
+        if n < len(hashes) and self._reads_s3:
+            n += self._directory_prefix(hashes[n:], [any(ans[j - at] for at, ans in asked if j >= at)
+                                                     for j in range(n, len(hashes))])
         return n
 
     def _directory_prefix(self, hashes: Sequence[BlockHash], held: list[bool]) -> int:
@@ -398,3 +394,4 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+

@@ -1,12 +1,20 @@
 """PresenceTable against a Python set: random adds, discards and lookups,
-through growth and tombstones, and colliding slots."""
+through growth and tombstones, and keys overflowing a bucket; the C lookup
+(tiers/_presence.c) and the numpy one give the same answers."""
 from __future__ import annotations
 
 import random
 
 import xxhash
 
-from tiers.presence import PresenceTable
+from tiers.presence import PresenceTable, keys_of
+
+
+def both_ways(table: PresenceTable, ask: list[bytes]) -> list[bool]:
+    """The table's answers, checked equal through the C lookup and the numpy one."""
+    got = table.contains(ask)
+    assert got == table._find(keys_of(ask))[0].tolist()
+    return got
 
 
 def h(i: int) -> bytes:
@@ -24,23 +32,39 @@ def test_matches_a_set_through_random_adds_and_discards():
         table.discard(gone)
         truth.difference_update(gone)
         ask = [h(rng.randrange(20_000)) for _ in range(256)]
-        assert table.contains(ask) == [a in truth for a in ask], step
+        assert both_ways(table, ask) == [a in truth for a in ask], step
         assert len(table) == len(truth)
     # It grew past its first size, and every held hash is still found.
-    assert table.nbytes > 4096 * 8 and all(table.contains(list(truth)))
+    assert table.nbytes > 4096 * 8 and all(both_ways(table, list(truth)))
 
 
-def test_keys_sharing_a_slot_probe_past_each_other_and_past_tombstones():
+def test_keys_sharing_a_bucket_overflow_past_it_and_past_tombstones():
     table = PresenceTable()
-    # Hashes whose first 8 bytes differ only above the slot bits: one slot, a probe chain.
-    same_slot = [(k << 40).to_bytes(8, "little") + bytes(8) for k in range(1, 9)]
-    table.add(same_slot)
-    assert table.contains(same_slot) == [True] * 8
-    # A discard in the middle of the chain leaves the ones after it reachable.
-    table.discard(same_slot[2:3])
-    assert table.contains(same_slot) == [True, True, False] + [True] * 5
-    table.add(same_slot[2:3])
-    assert table.contains(same_slot) == [True] * 8 and len(table) == 8
+    # Hashes whose first 8 bytes differ only above the bucket bits: one home bucket for 20 keys,
+    # so 12 of them spill into the buckets after it.
+    same_bucket = [(k << 40).to_bytes(8, "little") + bytes(8) for k in range(1, 21)]
+    table.add(same_bucket)
+    assert both_ways(table, same_bucket) == [True] * 20
+    # Keys not held whose home bucket is that full one are looked for past it, and missed.
+    strangers = [(k << 40).to_bytes(8, "little") + bytes(8) for k in range(21, 25)]
+    assert both_ways(table, strangers) == [False] * 4
+    # A discard in the home bucket leaves the spilled ones reachable.
+    table.discard(same_bucket[2:3])
+    assert both_ways(table, same_bucket) == [True, True, False] + [True] * 17
+    # A discard of a spilled key leaves the others found; adding both back refills the tombstones.
+    table.discard(same_bucket[15:16])
+    assert both_ways(table, same_bucket).count(False) == 2 and len(table) == 18
+    table.add(same_bucket[2:3] + same_bucket[15:16])
+    assert both_ways(table, same_bucket) == [True] * 20 and len(table) == 20
+
+
+def test_the_c_lookup_is_built_and_takes_any_bytes_like_hash():
+    # setup.py builds it wherever a C compiler is (scripts/install.sh checks the import).
+    from tiers import _presence
+
+    table = PresenceTable()
+    table.add([h(1)])
+    assert _presence.contains(table._buckets, [bytearray(h(1)), memoryview(h(2)), h(1)]) == [True, False, True]
 
 
 def test_sized_for_millions_at_about_sixteen_to_twentytwo_bytes_each():

@@ -46,6 +46,21 @@ def test_lookup_is_the_longest_stored_prefix(tmp_path):
     store.close()
 
 
+def test_a_prefix_held_across_tiers_block_by_block_counts_whole(tmp_path):
+    # blocks 0, 2, 4 only in the CPU tier, 1 and 3 only on disk, 5 nowhere, 6 in both
+    store = make_store(tmp_path)
+    cpu, disk = store.tiers
+    hs = hashes(7)
+    objs = [encode(NS, h, payload_for(h)) for h in hs]
+    assert all(cpu.put_many([hs[i] for i in (0, 2, 4, 6)], [objs[i] for i in (0, 2, 4, 6)]))
+    assert all(disk.put_many([hs[i] for i in (1, 3, 6)], [objs[i] for i in (1, 3, 6)]))
+    # the tiers between them hold 0-4: the prefix runs to the hole at 5, from any start before it
+    assert store.lookup(hs) == 5 and store.lookup(hs[1:]) == 4 and store.lookup(hs[3:5]) == 2
+    # past the hole, one tier alone or both
+    assert store.lookup(hs[5:]) == 0 and store.lookup(hs[6:]) == 1 and store.lookup([]) == 0
+    store.close()
+
+
 def test_disk_blocks_survive_a_new_process(tmp_path):
     # a child process stores blocks and exits; this process reopens the disk tier
     code = ("import sys; from tests.cache_service.store.store_helpers import *;"
