@@ -241,9 +241,9 @@ def measure(root: Path, n: int) -> dict:
 
 
 def extrapolate(curve: list[dict], n: int, k: str) -> float:
-    """Linear in the blocks held, through the last two points."""
+    """Linear in the blocks held, through the last two points (a falling figure, noise, is taken as flat)."""
     a, b = curve[-2], curve[-1]
-    slope = (b[k] - a[k]) / (b["blocks"] - a["blocks"])
+    slope = max(0.0, (b[k] - a[k]) / (b["blocks"] - a["blocks"]))
     return b[k] + slope * (n - b["blocks"])
 
 
@@ -286,7 +286,7 @@ def main() -> None:
             held = n
             row = measure(base / "store", n) | {"fill_s": fill_s}
             curve.append(row)
-            print(f"{n:>9,} blocks  reopen {row['reopen_s']:.2f} s  RSS over open {row['rss_open_bytes_per_block']:.0f} "
+            print(f"{n:>9,} blocks  reopen {row['reopen_s'] * 1e3:.1f} ms  RSS over open {row['rss_open_bytes_per_block']:.0f} "
                   f"B/block  "
                   f"index {row['index_bytes_per_block']:.0f} B/block  lookup256 p50/p99 "
                   f"{row['lookup256_us_p50']:.0f}/{row['lookup256_us_p99']:.0f} us  store {row['store_blocks_s']:.0f} "
@@ -300,7 +300,7 @@ def main() -> None:
     totals = [{"blocks": c["blocks"], "rss_bytes": c["rss_bytes_per_block"] * c["blocks"]} for c in curve]
     if len(curve) > 1:
         print(f"10,000,000 blocks (extrapolated, linear through the last two points): reopen "
-              f"{extrapolate(curve, 10**7, 'reopen_s'):.1f} s, RSS "
+              f"{extrapolate(curve, 10**7, 'reopen_s') * 1e3:.1f} ms, RSS "
               f"{extrapolate(totals, 10**7, 'rss_bytes') / 2**30:.2f} GiB in all")
     if args.plot:
         plot(curve, Path(args.plot))
