@@ -44,3 +44,13 @@ def wait_idle(pid: int, timeout: float = 120.0) -> None:
             return
         last = now
     raise RuntimeError(f"process {pid} still busy after {timeout:.0f}s")
+
+
+def cpu_line() -> str:
+    """The CPU model, core count and the ISA flags that change vLLM's CPU kernels, for a bench's header."""
+    with open("/proc/cpuinfo") as f:
+        info = f.read().splitlines()
+    model = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in info if ln.startswith("flags")), [])
+    isa = [f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")]
+    return f"{model}, {os.cpu_count()} cpus, {' '.join(isa) or 'no avx2'}"

@@ -46,7 +46,7 @@ def run_engine(model: str, case: dict, max_model_len: int) -> list[dict]:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, seed=0, max_model_len=max_model_len,
+    llm = LLM(model=model, dtype=case.get("dtype", "bfloat16"), enforce_eager=True, seed=0, max_model_len=max_model_len,
               kv_transfer_config=_engine_config(case["kind"], case.get("arg", ""), case.get("save", "auto")))
     init = time.perf_counter() - t0
     one = SamplingParams(temperature=0.0, max_tokens=1)

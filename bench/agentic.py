@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO)]
 from bench._agentic_trace import Replay, Result, TraceShape, make_trace  # noqa: E402
-from bench._procs import free_port, wait_port  # noqa: E402
+from bench._procs import cpu_line, free_port, wait_port  # noqa: E402
 
 MODEL = "smollm2"
 VLLM_PAGE = 128  # vLLM's CPU block size: its prefix cache and connectors load whole pages
@@ -291,7 +291,7 @@ def main() -> int:
                                                                    [s.name for s in SYSTEMS])
     venv_py = REPO / os.environ.get("TIERKV_VLLM_VENV", ".venv-vllm") / "bin" / "python"
     work = Path(tempfile.mkdtemp(prefix="agentic-"))
-    print(f"cpu: {_cpu()}; dtype {dtype}; trace {shape}; rates {rates}; work {work}", flush=True)
+    print(f"cpu: {cpu_line()}; dtype {dtype}; trace {shape}; rates {rates}; work {work}", flush=True)
     table, results, slo = {}, {}, None
     t0 = time.perf_counter()
     with open(work / "servers.log", "w") as log:
@@ -317,11 +317,6 @@ def main() -> int:
     print(f"took {time.perf_counter() - t0:.0f} s")
     print(json.dumps(summary(table, rates, all(v == 1.0 for k, v in agree.items() if k[0].startswith("vllm_")))))
     return 0
-
-
-def _cpu() -> str:
-    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return f"{model}, {os.cpu_count()} cpus"
 
 
 if __name__ == "__main__":

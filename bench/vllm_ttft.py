@@ -63,15 +63,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 L1_GIB = {False: 1.0, True: 0.5}  # by --quick: host memory of our daemon's CPU tier and of LMCache's L1, alike
 sys.path.insert(0, str(REPO))
-from bench._procs import free_port, wait_idle, wait_port  # noqa: E402
+from bench._procs import cpu_line, free_port, wait_idle, wait_port  # noqa: E402
 
 
 # ------------------------------------------------------------------ parent: servers and processes
 class Servers:
     """The tierkv daemon and the LMCache server, started and stopped by the parent."""
 
-    def __init__(self, work: Path, venv_py: Path, log, l1_gib: float) -> None:
-        self.work, self.venv_py, self.log, self.l1_gib = work, venv_py, log, l1_gib
+    def __init__(self, work: Path, venv_py: Path, log, l1_gib: float, dtype: str) -> None:
+        self.work, self.venv_py, self.log, self.l1_gib, self.dtype = work, venv_py, log, l1_gib, dtype
         self.procs: dict[str, subprocess.Popen] = {}
         self.tierkv_port, self.lmcache_port = free_port(), free_port()
 
@@ -81,7 +81,7 @@ class Servers:
 
         # SmolLM2-135M's blocks: the pool is sized and prefaulted at start, as LMCache's server
         # allocates its L1 eagerly (--no-l1-use-lazy); measurements wait until that is done
-        slot = object_size(Namespace("smollm2", "bfloat16", 30, 3, 64, block_tokens=16))
+        slot = object_size(Namespace("smollm2", self.dtype, 30, 3, 64, block_tokens=16))
         cfg = self.work / "tierkv.toml"
         cfg.write_text(f'[tiers.cpu]\ncapacity = "{int(self.l1_gib * 1024)}MiB"\nslot_bytes = {slot}\nprefault = true\n\n'
                        f'[tiers.disk]\npath = "{self.work}/daemon"\ncapacity = "20GiB"\nwrite = "through"\n')
@@ -297,9 +297,13 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="one engine per connector, one prompt, no LMCache "
                     "(see the module docstring)")
     ap.add_argument("--lmcache", action="store_true", help="with --quick: run the LMCache case too (~40 s more)")
-    ap.add_argument("--tokens", type=int, default=2000, help="prompt length (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=None, help="prompt length (default: 2000; --quick: 512, which "
+                    "keeps it under a minute on 2 AVX2 cores in float32)")
     ap.add_argument("--rounds", type=int, default=2, help="full mode: rounds of the warm engines (default: "
                     "%(default)s)")
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="vLLM's dtype for "
+                    "every engine (auto: bfloat16 where the CPU computes it natively, AVX512-BF16 or AMX, else "
+                    "float32, where vLLM's bfloat16 is emulated and a 2k-token prefill takes ~25 s; default: %(default)s)")
     ap.add_argument("--save", choices=("auto", "async", "sync"), default="auto", help="our connector's "
                     "async_save (auto: in the step on CPU, in the background on GPU; default: %(default)s)")
     args = ap.parse_args()
@@ -308,14 +312,20 @@ def main() -> int:
     venv_py = (venv if venv.is_absolute() else REPO / venv) / "bin" / "python"
     subprocess.run(["bash", str(REPO / "scripts" / "vllm-venv.sh"), "lmcache"], cwd=REPO, check=True,
                    stdout=subprocess.DEVNULL)
+    import torch
+
+    from engine.config import auto_dtype
     from engine.models import resolve_model
 
     model = str(resolve_model("smollm2"))
     rounds = 1 if args.quick else args.rounds
+    args.tokens = args.tokens or (512 if args.quick else 2000)
     prompts = make_prompts(args.tokens, 1 if args.quick else 5, rounds)
     work = Path(tempfile.mkdtemp(prefix="tierkv-vllm-ttft-"))
     log = open(work / "log.txt", "w")
-    servers = Servers(work, venv_py, log, L1_GIB[args.quick])
+    dtype = auto_dtype(torch.device("cpu")) if args.dtype == "auto" else args.dtype
+    print(f"cpu: {cpu_line()}; dtype {dtype}", flush=True)
+    servers = Servers(work, venv_py, log, L1_GIB[args.quick], dtype)
     results: list[dict] = []
     try:
         daemon_url = lmcache = None
@@ -329,7 +339,7 @@ def main() -> int:
             print(f"LMCache server unavailable ({e}): no LMCache cases", file=sys.stderr)
         cases = build_cases(prompts, work, daemon_url, lmcache, args.quick, rounds)
         for case in cases:
-            case["save"] = args.save
+            case["save"], case["dtype"] = args.save, dtype
         if args.quick:  # one process for our and vLLM's connectors, one for LMCache's (see child_main)
             for group in ([c for c in cases if c["kind"] != "lmcache"], [c for c in cases if c["kind"] == "lmcache"]):
                 results += _run_child(venv_py, model, group, work, log) if group else []
@@ -346,7 +356,7 @@ def main() -> int:
     out = summarize(results)
     if "lmcache_warm_mem" not in out["ttft_s"]:
         out["lmcache"] = "not run: --quick without --lmcache" if args.quick and not args.lmcache else "unavailable"
-    out.update(quick=args.quick, rounds=rounds, save=args.save, prompt_tokens=args.tokens, wall_s=round(time.perf_counter() - t_start, 1),
+    out.update(quick=args.quick, dtype=dtype, rounds=rounds, save=args.save, prompt_tokens=args.tokens, wall_s=round(time.perf_counter() - t_start, 1),
                log=str(work / "log.txt"))
     print(json.dumps(out))
     for stored in ("ours", "example", "daemon", "lmcache"):  # keep the log, not the ~50 MB stores
