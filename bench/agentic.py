@@ -32,7 +32,7 @@ from bench._agentic_trace import Replay, Result, TraceShape, make_trace  # noqa:
 from bench._procs import cpu_line, free_port, wait_port  # noqa: E402
 
 MODEL = "smollm2"
-VLLM_PAGE = 128  # vLLM's CPU block size: its prefix cache and connectors load whole pages
+VLLM_PAGE = 128  # vLLM's CPU block size: its prefix cache and LMCache's chunks load whole pages
 MAX_MODEL_LEN = 3072  # the longest conversation of either trace (~2k tokens) fits, with room
 TPOT_SLO_FACTOR = 4  # a batch of up to 8 decoding sessions shares 2 cores: 4x the unloaded TPOT is still fluent
 CACHE_MEMORY_GIB = 0.25  # the tierkv daemon's CPU tier and LMCache's L1, alike: below the trace's unique KV (disk below)
@@ -215,7 +215,7 @@ def run_system(s: System, rates: list[float], shape: TraceShape, work: Path, ven
         slo = slo or slo_baseline(base, shape)
         for k, rate in enumerate(rates):
             system, sessions = make_trace(shape, rate, seed=17, variant=k)
-            align = 16 if s.server == "ours" else VLLM_PAGE
+            align = 16 if s.connector == "tierkv" else VLLM_PAGE  # our loads move 16-token blocks, others whole pages
             results[rate] = Replay(base, MODEL, system, align, s.hints).run(sessions)
             rows[rate] = figures(results[rate], slo)
     except RuntimeError as e:

@@ -145,8 +145,18 @@ class PagedKV:
 
     def write_blocks(self, blocks: list[Tensor], page_ids: list[int]) -> None:
         """Write canonical blocks (each ``[L, 2, tokens, H, D]``, covering the pages in order) into `page_ids`.
-        Each run of consecutive pages is written in place, one layer at a time."""
+        Each run of consecutive pages is written in place, one layer at a time. The last page may be
+        covered in part (a load ending mid-page): its other slots get zeros, which the engine
+        overwrites as it computes those tokens (the page is the request's own, past every shared one)."""
         tokens = blocks[0].shape[2]
+        k = self.page // tokens
+        if k > 1 and len(blocks) % k:
+            whole = len(blocks) // k * k
+            if whole:
+                self.write_blocks(blocks[:whole], page_ids[:whole // k])
+            pad = [blocks[0].new_zeros(blocks[0].shape)] * (whole + k - len(blocks))
+            self.write_blocks(list(blocks[whole:]) + pad, page_ids[whole // k: whole // k + 1])
+            return
         if self.kind == "flash" or self.page % tokens:
             self._scatter(regroup(torch.stack(blocks), self.page), page_ids)
             return

@@ -8,9 +8,11 @@ adapts vLLM's objects to these calls.
 Units. The store keys blocks of ``block_tokens`` tokens (16 by default, the
 same keys our own engine writes); vLLM allocates pages of ``page_tokens``
 (128 on CPU, 16 on CUDA). One must divide the other. A load moves whole
-pages *and* whole store blocks, so loaded prefixes are multiples of
-``align = max(page_tokens, block_tokens)``; a save moves every full store
-block that has KV, which may be part of a page.
+store blocks and starts on a page (vLLM's own hit ends on one), so loaded
+prefixes are multiples of ``block_tokens``: where pages are larger, its last
+page may be loaded in part and vLLM computes the rest of it (a 2,000-token
+prefix loads 2,000 tokens, not 1,920). A save moves every full store block
+that has KV, which may be part of a page.
 """
 from __future__ import annotations
 
@@ -113,7 +115,6 @@ class SchedulerSide:
             raise ValueError(f"block_tokens {bt} and vLLM block_size {page_tokens}: one must divide the other")
         self.client, self.ns, self.page = client, ns, page_tokens
         self.bt = bt
-        self.align = max(bt, page_tokens)
         self._reqs: dict[str, _Request] = {}
         self.stats = SchedulerStats()
 
@@ -124,7 +125,7 @@ class SchedulerSide:
     def matched_tokens(self, req_id: str, tokens: Sequence[int], num_computed: int, tenant: str) -> int:
         """Tokens beyond `num_computed` (vLLM's own page-aligned hit) that the
         store can supply. Never the whole prompt (vLLM must compute at least
-        one token for logits); a multiple of `align`. Only memoizes: repeated
+        one token for logits); a multiple of block_tokens. Only memoizes: repeated
         calls give the same answer while the store does."""
         st = self._reqs.get(req_id)
         if st is None or st.tenant != tenant:
@@ -140,8 +141,7 @@ class SchedulerSide:
             self.stats.lookup_errors += 1
             held = 0
         st.stored, st.local = held * self.bt, num_computed
-        limit = (n - 1) // self.align * self.align
-        usable = min(held * self.bt, limit) // self.align * self.align
+        usable = min(held, (n - 1) // self.bt) * self.bt
         return max(0, usable - num_computed)
 
     def allocated(self, req_id: str, page_ids: Sequence[int], num_external: int) -> None:
@@ -150,9 +150,9 @@ class SchedulerSide:
         if st is None or num_external <= 0:
             return
         start, end = st.local, st.local + num_external
-        assert start % self.page == 0 and end % self.align == 0, (start, end)
+        assert start % self.page == 0 and end % self.bt == 0, (start, end)
         st.load = (start, end)
-        st.load_pages = list(page_ids[start // self.page: end // self.page])
+        st.load_pages = list(page_ids[start // self.page: -(-end // self.page)])  # the last one may be in part
         self.stats.hit_tokens += num_external
 
     # ----------------------------------------------------------- each step

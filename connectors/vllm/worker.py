@@ -113,12 +113,12 @@ class WorkerSide:
             self.stats.errors += 1
             payloads = [None] * len(hashes)
         n_ok = loaded_prefix(payloads)
-        align = max(self.page, self.bt)
-        tokens_ok = n_ok * self.bt // align * align
+        whole = max(self.page, self.bt)  # a short load ends on a page: vLLM recomputes from the first bad one
+        tokens_ok = n_ok * self.bt if n_ok == len(payloads) else n_ok * self.bt // whole * whole
         self.stats.blocks_failed += len(payloads) - n_ok
         if tokens_ok:
             n = tokens_ok // self.bt
-            self.kv.write_blocks(payloads[:n], t.page_ids[: tokens_ok // self.page])
+            self.kv.write_blocks(payloads[:n], t.page_ids[: -(-tokens_ok // self.page)])
             self.stats.blocks_loaded += tokens_ok // self.bt
             self.stats.bytes_loaded += n * self.ns.payload_bytes
         return t.start + tokens_ok

@@ -8,7 +8,8 @@ carries several checks):
 2. One stored block of Y is corrupted on disk.
 3. Our engine, in this process, finds X's prefix stored by vLLM and stores Z.
 4. A NEW vLLM process P2 loads X (bit-identical KV, same greedy output),
-   recomputes Y's corrupt block, and loads Z that our engine stored.
+   recomputes Y's corrupt block, and loads Z that our engine stored (its
+   last page in part: loads move whole 16-token blocks, not whole pages).
 5. vLLM with its default process layout (P3: scheduler and CPU worker in
    separate processes, lookups through the worker that owns the store) loads X.
 
@@ -38,7 +39,9 @@ REPO = Path(__file__).resolve().parents[3]
 
 # ------------------------------------------------------------- the real vLLM CPU build
 
-X, Y, Z = tokens(700, 11), tokens(600, 12), tokens(520, 13)
+# X's last full block before its final token ends on a page (640 = 5 x 128): a load and vLLM's own prefix cache
+# split its prefill alike. Y and Z end their loads mid-page (592 = 4 pages and 80 tokens of a fifth).
+X, Y, Z = tokens(650, 11), tokens(600, 12), tokens(600, 13)
 Y_BAD_BLOCK = 20  # tokens 320-335: vLLM page 2 of Y
 MAX_TOKENS = 16
 
@@ -109,7 +112,7 @@ def run_engine(model: Path, story_dir: Path, ns: Namespace) -> dict:
     x_cached = llm.generate([X], greedy)[0].num_cached_tokens
     llm.generate([Z], greedy)
     x_in_store = blocks_as_tokens(conn.client.load(ns, prefix_hashes(ns, X)[:40]))
-    z_in_store = blocks_as_tokens(conn.client.load(ns, prefix_hashes(ns, Z)[:32]))
+    z_in_store = blocks_as_tokens(conn.client.load(ns, prefix_hashes(ns, Z)[:37]))
     conn.close()
     # a second engine with its own store computes X's KV from scratch
     scratch = LLM(str(model), dtype="bfloat16")
@@ -201,9 +204,10 @@ def test_greedy_output_equals_controls(story):
 
 def test_corrupt_block_is_reported_and_recomputed(story):
     y = story.p2["requests"]["y"]
-    # 512 tokens were claimed; block 20 failed its checksum, so pages 2-3 were reported and recomputed
-    assert y["delta"]["worker"]["blocks_failed"] == 32 - Y_BAD_BLOCK
-    assert y["delta"]["worker"]["pages_invalid"] == 2
+    # 592 tokens were claimed (5 pages, the last in part); block 20 failed its checksum, so pages 2-4 were
+    # reported and recomputed
+    assert y["delta"]["worker"]["blocks_failed"] == 37 - Y_BAD_BLOCK
+    assert y["delta"]["worker"]["pages_invalid"] == 3
     assert y["delta"]["scheduler"]["load_failures"] == 1
     assert y["delta"]["store"]["disk"]["corrupt"] == 1
     assert y["output"] == story.p1["requests"]["y"]["output"]
@@ -216,10 +220,10 @@ def test_our_engine_and_vllm_key_kv_the_same_way(story):
     assert story.engine_ns == story.ns
     # our engine found the prefix vLLM stored (every full prompt block it may use)
     assert story.engine_x_cached == (len(X) - 1) // 16 * 16
-    # vLLM loaded the prefix our engine stored, bit for bit
+    # vLLM loaded the prefix our engine stored, bit for bit, the fifth page's first 80 tokens too
     z = story.p2["requests"]["z"]
-    assert z["num_cached_tokens"] == 512 and z["delta"]["worker"]["blocks_loaded"] == 32
-    assert same(kv_of(story.kv2["z"], "load", 512), story.z_in_store)
+    assert z["num_cached_tokens"] == 592 and z["delta"]["worker"]["blocks_loaded"] == 37
+    assert same(kv_of(story.kv2["z"], "load", 592), story.z_in_store)
     # and both engines compute the same KV for X, up to bf16 kernel differences (K/V, heads, tokens all line up)
     ref = kv_of(story.kv1["x"], "save", 640).float()
     err = (story.x_by_engine.float() - ref).abs()

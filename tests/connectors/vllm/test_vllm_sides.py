@@ -51,22 +51,22 @@ def test_extra_config_errors_name_the_key():
 # ------------------------------------------------------------- scheduler side
 
 
-def test_lookup_claims_page_aligned_prefix_and_never_the_whole_prompt(client):
+def test_lookup_claims_whole_blocks_from_a_page_and_never_the_whole_prompt(client):
     sched = SchedulerSide(client, NS, page_tokens=128)
     x = tokens(700, 1)
     # nothing stored: nothing claimed
     assert sched.matched_tokens("a", x, 0, "") == 0
-    # 20 blocks (320 tokens) stored: two whole pages are claimed
+    # 20 blocks (320 tokens) stored: all claimed, two whole pages and half of the third
     fill(client, x, 20)
-    assert sched.matched_tokens("a", x, 0, "") == 256
-    # everything stored: up to the last page boundary before the final token; asking twice changes nothing
+    assert sched.matched_tokens("a", x, 0, "") == 320
+    # everything stored: every full block before the final token; asking twice changes nothing
     fill(client, x, 43)
-    assert sched.matched_tokens("a", x, 0, "") == 640
-    assert sched.matched_tokens("a", x, 0, "") == 640
+    assert sched.matched_tokens("a", x, 0, "") == 688
+    assert sched.matched_tokens("a", x, 0, "") == 688
     # vLLM's own prefix cache already has a page: only the rest is claimed
-    assert sched.matched_tokens("a", x, 128, "") == 512
-    # a prompt that is exactly pages long keeps its last page for vLLM to compute
-    assert sched.matched_tokens("b", x[:640], 0, "") == 512
+    assert sched.matched_tokens("a", x, 128, "") == 560
+    # a prompt that is exactly pages long keeps its last block for vLLM to compute
+    assert sched.matched_tokens("b", x[:640], 0, "") == 624
     # another tenant sees nothing
     assert sched.matched_tokens("c", x, 0, "acme") == 0
 
@@ -76,16 +76,16 @@ def test_plan_loads_after_alloc_then_saves_each_new_full_block(client):
     x = tokens(700, 2)
     fill(client, x, 20)
     pages = list(range(100, 106))
-    # vLLM accepts the 256 claimed tokens and allocates pages
-    assert sched.matched_tokens("r", x, 0, "") == 256
-    sched.allocated("r", pages, 256)
-    # step 1 (a 300-token prefill chunk): load [0, 256)
-    loads, saves = sched.plan([("r", 256, 44)], lambda _: pages)
-    assert [(t.start, t.end, t.page_ids) for t in loads] == [(0, 256, [100, 101])]
-    assert saves == []  # 300 tokens have KV, the store already holds 320
-    # step 2: the rest of the prompt; blocks from 320 on are saved, from the page holding token 320
-    loads, saves = sched.plan([("r", 300, 400)], lambda _: pages)
-    assert loads == [] and [(t.start, t.end, t.page_ids) for t in saves] == [(320, 688, [102, 103, 104, 105])]
+    # vLLM accepts the 320 claimed tokens and allocates pages
+    assert sched.matched_tokens("r", x, 0, "") == 320
+    sched.allocated("r", pages, 320)
+    # step 1 (a prefill chunk up to token 400): load [0, 320), the third page in part; save the blocks after it
+    loads, saves = sched.plan([("r", 320, 80)], lambda _: pages)
+    assert [(t.start, t.end, t.page_ids) for t in loads] == [(0, 320, [100, 101, 102])]
+    assert [(t.start, t.end, t.page_ids) for t in saves] == [(320, 400, [102, 103])]
+    # step 2: the rest of the prompt; blocks from 400 on are saved, from the page holding token 400
+    loads, saves = sched.plan([("r", 400, 300)], lambda _: pages)
+    assert loads == [] and [(t.start, t.end, t.page_ids) for t in saves] == [(400, 688, [103, 104, 105])]
     assert saves[0].token_ids == x[:688]
     # decode reaches the next block boundary: one block saved
     x.extend(tokens(16, 3))
@@ -99,7 +99,7 @@ def test_plan_loads_after_alloc_then_saves_each_new_full_block(client):
     # a request with saves planned is reported as saving (vLLM waits for the workers); one without is not
     assert sched.finished("r") is True
     assert sched.plan([("r", 705, 1)], lambda _: pages) == ([], [])
-    assert sched.matched_tokens("q", x[:100], 0, "") == 0
+    assert sched.matched_tokens("q", x[:100], 0, "") == 96  # its first 6 blocks, the first page in part
     assert sched.finished("q") is False
 
 
@@ -117,7 +117,7 @@ def test_scheduler_in_another_process_looks_up_through_the_worker(tmp_path):
         # the remote view answers exactly what the store answers, and plans the same loads
         hs = prefix_hashes(NS, x)
         assert remote.lookup(hs) == store.lookup(hs) == 20
-        assert SchedulerSide(remote, NS, 128).matched_tokens("r", x, 0, "") == 256
+        assert SchedulerSide(remote, NS, 128).matched_tokens("r", x, 0, "") == 320
         remote.close()
     finally:
         server.close()
@@ -173,12 +173,12 @@ def test_worker_saves_and_loads_through_the_store(client, layout, page, packing,
     # the store holds, in canonical order, exactly what the oracle reads from vLLM's pages
     stored = client.load(NS, prefix_hashes(NS, x[:288]))
     assert same(blocks_as_tokens(stored), read_tokens(layers, src_pages, 0, 0, 288, index))
-    # a new cache (other pages) loads the aligned prefix and reads back the same bits
+    # a new cache (other pages) loads all 18 blocks, the last page in part where pages hold more than a
+    # block, and reads back the same bits
     dst = vllm_cache(layout, 48, page, seed=6)
-    align = max(page, NS.block_tokens)
-    end = 288 // align * align
+    end = 288
     # pages one by one going down, or stretches of consecutive pages (each written in place)
-    dst_pages = list(range(40, 40 - end // page, -1))
+    dst_pages = list(range(40, 40 - -(-end // page), -1))
     if order == "runs":  # two stretches of consecutive pages, the second below the first
         half = len(dst_pages) // 2
         dst_pages = list(range(30, 30 + len(dst_pages) - half)) + list(range(10, 10 + half))
