@@ -11,8 +11,11 @@ write-through or write-back). For a request of `--tokens` tokens:
 
 - save: `read` (vLLM's pages -> canonical blocks, in the step), `store`
   (the blocks into the daemon: copy and hash into its pool slots, commit);
-- load: `load` (the daemon's LoadShm into our segment), `write` (canonical
-  blocks -> vLLM's pages).
+- load: `lookup` (the scheduler side's question: how many of the blocks are
+  held), `load` (the daemon's LoadShm into our segment), `write` (canonical
+  blocks -> vLLM's pages);
+- the daemon's CPU seconds for a save, in and after the call (its writes to
+  disk included): what it takes from an engine sharing the cores.
 
 Each phase is also given as a ratio to a memcpy of the same bytes in this
 process. Last line: one JSON object (phase medians in ms and ratios, per
@@ -88,6 +91,9 @@ def one_request(kv: PagedKV, client, ns: Namespace, tokens: list[int], pages: li
     wait_idle(daemon_pid)  # the daemon's background writes done, as before a later request
     times["daemon_cpu"] = cpu_s(daemon_pid) - cpu0  # all it spent on the save, in and after the call
     t0 = time.perf_counter()
+    assert client.lookup(hashes) == len(hashes)  # the scheduler side's question, as a later request asks it
+    times["lookup"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     got = client.load(ns, hashes)
     t1 = time.perf_counter()
     kv.write_blocks(got, pages)
@@ -144,14 +150,15 @@ def main() -> None:
             client.close()
             proc.kill()
             proc.wait()
-        for phase in ("read", "store", "load", "write", "daemon_cpu"):
-            ms = statistics.median(r[phase] for r in runs) * 1e3
-            out[f"{write}_{phase}_ms"] = round(ms, 2)
-            out[f"{write}_{phase}_vs_memcpy"] = round(copy_s * 1e3 / ms, 3)
+        for phase in ("read", "store", "lookup", "load", "write", "daemon_cpu"):
+            out[f"{write}_{phase}_ms"] = round(statistics.median(r[phase] for r in runs) * 1e3, 2)
+        for phase in ("read", "store", "load", "write"):  # the phases that move the bytes
+            out[f"{write}_{phase}_vs_memcpy"] = round(copy_s * 1e3 / out[f"{write}_{phase}_ms"], 3)
         print(f"write-{write}: " + ", ".join(f"{p} {out[f'{write}_{p}_ms']:.1f} ms "
                                              f"({out[f'{write}_{p}_vs_memcpy']:.2f} x memcpy)"
                                              for p in ("read", "store", "load", "write"))
-              + f"; the daemon's CPU for the save {out[f'{write}_daemon_cpu_ms']:.0f} ms")
+              + f"; lookup {out[f'{write}_lookup_ms']:.2f} ms; the daemon's CPU for the save "
+              f"{out[f'{write}_daemon_cpu_ms']:.0f} ms")
     print(f"{out['mib']} MiB of KV ({out['tokens']} tokens, {packing} pages of {ns.kv_dtype}); memcpy {out['memcpy_ms']} ms")
     print(json.dumps(out))
 
