@@ -25,7 +25,8 @@ for f in pyproject.toml setup.py cache_service/blocks/_hashchain.c tiers/_fastco
 "$PY" -c "import torch, triton, lmdb, xxhash, fastapi, uvicorn, cache_service.blocks._hashchain, tiers._fastcopy, tiers._presence" 2>/dev/null || stale=1
 # the editable install must point at this checkout (a copy moved or cloned elsewhere keeps the old one's path)
 here=$(pwd -P)
-(cd / && "$PY" -c "import sys, engine; sys.exit(not engine.__file__.startswith('$here/'))") 2>/dev/null || stale=1
+(cd / && "$PY" -c "import os, sys, engine; sys.exit(not os.path.realpath(engine.__file__).startswith('$here/'))") \
+  2>/dev/null || stale=1
 if [ ! -f "$stamp" ] || [ "$stale" = 1 ]; then
   echo "install: pip install torch==2.13.0 and tierkv[dev] (editable)"
   "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "as the 'root' user" || true
