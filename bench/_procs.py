@@ -1,4 +1,5 @@
-"""Helpers the benchmarks share for the servers they start: ports and readiness."""
+"""Helpers the benchmarks share: the servers they start (ports, readiness, CPU time used), the CPU they run on,
+and SmolLM2's store namespace, for which their daemons size their slots."""
 from __future__ import annotations
 
 import os
@@ -28,18 +29,19 @@ def wait_port(port: int, proc: subprocess.Popen | None, what: str, timeout: floa
     raise RuntimeError(f"{what} did not listen on {port} within {timeout:.0f}s")
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds process `pid` has used (user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def wait_idle(pid: int, timeout: float = 120.0) -> None:
     """Until process `pid` uses under 5% of a core over half a second (its start-up work done)."""
-    tick, deadline = os.sysconf("SC_CLK_TCK"), time.monotonic() + timeout
-
-    def cpu_s() -> float:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-
-    last = cpu_s()
+    deadline = time.monotonic() + timeout
+    last = cpu_seconds(pid)
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        now = cpu_s()
+        now = cpu_seconds(pid)
         if now - last < 0.025:
             return
         last = now
@@ -54,3 +56,10 @@ def cpu_line() -> str:
     flags = next((ln.split(":", 1)[1].split() for ln in info if ln.startswith("flags")), [])
     isa = [f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")]
     return f"{model}, {os.cpu_count()} cpus, {' '.join(isa) or 'no avx2'}"
+
+
+def smollm2_namespace(dtype: str):
+    """SmolLM2-135M's blocks in the store (30 layers, 3 KV heads of 64, 16-token blocks) in `dtype`."""
+    from cache_service.blocks.keys import Namespace
+
+    return Namespace("smollm2", dtype, 30, 3, 64, block_tokens=16)

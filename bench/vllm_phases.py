@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench._procs import free_port, wait_idle, wait_port  # noqa: E402
+from bench._procs import cpu_seconds, free_port, smollm2_namespace, wait_idle, wait_port  # noqa: E402
 from cache_service.blocks.keys import Namespace, prefix_hashes  # noqa: E402
 from cache_service.blocks.objects import object_size  # noqa: E402
 from connectors.client import connect  # noqa: E402
@@ -47,10 +46,6 @@ from connectors.vllm.pages import CpuPageLayout, PagedKV  # noqa: E402
 from tests.connectors.vllm.oracle import cpu_index  # noqa: E402
 
 PAGE = 128
-
-
-def smollm2(dtype: str) -> Namespace:
-    return Namespace("smollm2", dtype, 30, 3, 64, block_tokens=16)
 
 
 def start_daemon(work: Path, write: str, ns: Namespace) -> tuple[subprocess.Popen, str]:
@@ -81,7 +76,7 @@ def one_request(kv: PagedKV, client, ns: Namespace, tokens: list[int], pages: li
                 daemon_pid: int) -> dict[str, float]:
     """The four phases of one new prompt: saved, then (after the daemon is idle) loaded back."""
     times, hashes = {}, prefix_hashes(ns, tokens)
-    cpu0 = cpu_s(daemon_pid)
+    cpu0 = cpu_seconds(daemon_pid)
     t0 = time.perf_counter()
     blocks = kv.read_blocks(pages, ns.block_tokens)
     t1 = time.perf_counter()
@@ -89,7 +84,7 @@ def one_request(kv: PagedKV, client, ns: Namespace, tokens: list[int], pages: li
     t2 = time.perf_counter()
     times["read"], times["store"] = t1 - t0, t2 - t1
     wait_idle(daemon_pid)  # the daemon's background writes done, as before a later request
-    times["daemon_cpu"] = cpu_s(daemon_pid) - cpu0  # all it spent on the save, in and after the call
+    times["daemon_cpu"] = cpu_seconds(daemon_pid) - cpu0  # all it spent on the save, in and after the call
     t0 = time.perf_counter()
     assert client.lookup(hashes) == len(hashes)  # the scheduler side's question, as a later request asks it
     times["lookup"] = time.perf_counter() - t0
@@ -101,12 +96,6 @@ def one_request(kv: PagedKV, client, ns: Namespace, tokens: list[int], pages: li
     assert all(g is not None for g in got)
     times["load"], times["write"] = t1 - t0, t2 - t1
     return times
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds process `pid` has used (user + system): what it takes from an engine sharing the cores."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def memcpy_s(nbytes: int, reps: int = 7) -> float:
@@ -131,7 +120,7 @@ def main() -> None:
     args = ap.parse_args()
     from engine.config import auto_dtype
 
-    ns = smollm2(auto_dtype(torch.device("cpu")) if args.dtype == "auto" else args.dtype)
+    ns = smollm2_namespace(auto_dtype(torch.device("cpu")) if args.dtype == "auto" else args.dtype)
     packing = args.packing or ("amx" if torch.cpu._is_amx_tile_supported() else "k_transposed")
     n_pages = args.tokens // PAGE
     kv, pages = pages_of(packing, n_pages, ns), list(range(2, 2 + n_pages))

@@ -63,7 +63,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 L1_GIB = {False: 1.0, True: 0.5}  # by --quick: host memory of our daemon's CPU tier and of LMCache's L1, alike
 sys.path.insert(0, str(REPO))
-from bench._procs import cpu_line, free_port, wait_idle, wait_port  # noqa: E402
+from bench._procs import cpu_line, free_port, smollm2_namespace, wait_idle, wait_port  # noqa: E402
 
 
 # ------------------------------------------------------------------ parent: servers and processes
@@ -76,12 +76,11 @@ class Servers:
         self.tierkv_port, self.lmcache_port = free_port(), free_port()
 
     def start_tierkv(self) -> str:
-        from cache_service.blocks.keys import Namespace
         from cache_service.blocks.objects import object_size
 
         # SmolLM2-135M's blocks: the pool is sized and prefaulted at start, as LMCache's server
         # allocates its L1 eagerly (--no-l1-use-lazy); measurements wait until that is done
-        slot = object_size(Namespace("smollm2", self.dtype, 30, 3, 64, block_tokens=16))
+        slot = object_size(smollm2_namespace(self.dtype))
         cfg = self.work / "tierkv.toml"
         cfg.write_text(f'[tiers.cpu]\ncapacity = "{int(self.l1_gib * 1024)}MiB"\nslot_bytes = {slot}\nprefault = true\n\n'
                        f'[tiers.disk]\npath = "{self.work}/daemon"\ncapacity = "20GiB"\nwrite = "through"\n')
