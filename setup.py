@@ -1,10 +1,11 @@
 """Optional C accelerators; everything else is in pyproject.toml.
 
 _hashchain (block hashing) needs libxxhash's header (Debian: libxxhash-dev);
-_fastcopy (batched block copies) and _presence (the disk tier's lookups) only a
-C compiler. Whatever fails to build is skipped, and the Python code that each
-replaces (cache_service/blocks/keys.py, tiers/cpu.py, tiers/presence.py)
-produces the same digests, bytes and answers.
+_fastcopy (batched block copies), _presence (the disk tier's lookups) and
+_slotio (its batched slot writes) only a C compiler. Whatever fails to build
+is skipped, and the Python code that each replaces (cache_service/blocks/keys.py,
+tiers/cpu.py, tiers/presence.py, tiers/disk_slots.py) produces the same
+digests, bytes, answers and files.
 """
 import os
 
@@ -28,7 +29,8 @@ class OptionalBuildExt(build_ext):
 
 have_header = os.path.exists("/usr/include/xxhash.h")
 ext = [Extension("tiers._fastcopy", ["tiers/_fastcopy.c"], extra_compile_args=["-O2"]),
-       Extension("tiers._presence", ["tiers/_presence.c"], extra_compile_args=["-O2"])]
+       Extension("tiers._presence", ["tiers/_presence.c"], extra_compile_args=["-O2"]),
+       Extension("tiers._slotio", ["tiers/_slotio.c"], extra_compile_args=["-O2"])]
 if have_header:
     ext.append(Extension("cache_service.blocks._hashchain", ["cache_service/blocks/_hashchain.c"], libraries=["xxhash"]))
 setup(ext_modules=ext, cmdclass={"build_ext": OptionalBuildExt})

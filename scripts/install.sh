@@ -21,8 +21,8 @@ fi
 
 stamp=.tierkv-install.stamp
 stale=0
-for f in pyproject.toml setup.py cache_service/blocks/_hashchain.c tiers/_fastcopy.c tiers/_presence.c; do [ "$f" -nt "$stamp" ] && stale=1; done
-"$PY" -c "import torch, triton, lmdb, xxhash, fastapi, uvicorn, cache_service.blocks._hashchain, tiers._fastcopy, tiers._presence" 2>/dev/null || stale=1
+for f in pyproject.toml setup.py cache_service/blocks/_hashchain.c tiers/_fastcopy.c tiers/_presence.c tiers/_slotio.c; do [ "$f" -nt "$stamp" ] && stale=1; done
+"$PY" -c "import torch, triton, lmdb, xxhash, fastapi, uvicorn, cache_service.blocks._hashchain, tiers._fastcopy, tiers._presence, tiers._slotio" 2>/dev/null || stale=1
 # the editable install must point at this checkout (a copy moved or cloned elsewhere keeps the old one's path)
 here=$(pwd -P)
 (cd / && "$PY" -c "import os, sys, engine; sys.exit(not os.path.realpath(engine.__file__).startswith('$here/'))") \

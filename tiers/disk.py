@@ -181,37 +181,34 @@ class DiskTier(ByteBudget, Tier):
     def put_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[bool]:
         todo = self._admit(hashes, objs)
         try:
-            written, files = [], set()
-            for i in todo:
-                w = self._write_slot(hashes[i], objs[i], files)
-                if w is not None:
-                    written.append(w)
-            try:
-                self.segments.sync(files)
-            except OSError as e:
-                self._write_failed(e)
-                self._free(written)
-                written = []
-            self._commit(written)
+            self._commit(self._write_slots([hashes[i] for i in todo], [objs[i] for i in todo]))
         finally:
             with self._lock:
                 self._reserved -= sum(objs[i].numel() for i in todo)
         return self.contains_many(hashes)
 
-    def _write_slot(self, h: BlockHash, obj: torch.Tensor, files: set) -> Written | None:
-        """Write `obj` into a free slot (its file added to `files`, to sync):
-        (hash, size, checksum, slot), or None if that fails (ENOSPC is a
-        full disk, anything else an error)."""
-        data = memoryview(obj.cpu().numpy())
-        csum = xxhash.xxh3_64_intdigest(data)
-        s = self.space.take(len(data))
+    def _write_slots(self, hashes: list[BlockHash], objs: list[torch.Tensor]) -> list[Written]:
+        """Write the objects into free slots and make them durable: (hash,
+        size, checksum, slot) of each written; a slot that failed (ENOSPC
+        is a full disk, anything else an error) is free again."""
+        datas = [memoryview(obj.cpu().numpy()) for obj in objs]
+        slots = self.space.take_many([len(d) for d in datas])
+        sums, files, err = self.segments.write_many(hashes, datas, slots)
+        if err is not None:
+            self._write_failed(err)
+        written = []
+        for h, d, s, csum in zip(hashes, datas, slots, sums):
+            if csum is None:
+                self.space.give(len(d), s)
+            else:
+                written.append((h, len(d), csum, s))
         try:
-            files.add(self.segments.write(h, data, s, csum))
+            self.segments.sync(files)
         except OSError as e:
-            self.space.give(len(data), s)
             self._write_failed(e)
-            return None
-        return h, len(data), csum, s
+            self._free(written)
+            return []
+        return written
 
     def _write_failed(self, e: OSError) -> None:
         self.stats.add(errors=self._write_errors.report(e))

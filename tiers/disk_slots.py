@@ -28,15 +28,22 @@ import logging
 import os
 import struct
 import threading
+from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 import xxhash
 
 from tiers.disk_index import RECORD
+from tiers.host_copy import XXH3
 from tiers.types import HASH_BYTES, BlockHash
+
+try:  # a batch of slot writes in one call (setup.py builds it); Segments.write_many's loop is the reference
+    from tiers._slotio import write_slots
+except ImportError:  # pragma: no cover - no C compiler where installed
+    write_slots = None
 
 log = logging.getLogger(__name__)
 HEAD = struct.Struct("<4sIQ16s")  # magic, object size, xxh3_64 of the object, block hash
@@ -73,6 +80,12 @@ def place(size: int, s: int) -> tuple[tuple[int, int], int]:
     return (slot, s // per_file(slot)), (s % per_file(slot)) * slot
 
 
+@lru_cache(maxsize=1024)
+def _geometry(size: int) -> tuple[int, int]:
+    """(slot size, slots per file) for objects of `size` bytes (`place` without recomputing them per block)."""
+    return slot_size(size), per_file(slot_size(size))
+
+
 def name(key: tuple[int, int]) -> str:
     """The file name of segment `key` (slot size, file number)."""
     return f"{key[0]}-{key[1]}"
@@ -95,8 +108,10 @@ class Segments:
         self._ends: dict[tuple[int, int], int] = {}  # bytes allocated in each file
         self._lock = threading.Lock()
 
-    def _place(self, size: int, s: int) -> tuple[tuple[int, int], int]:
-        return place(size, s)
+    @staticmethod
+    def _place(size: int, s: int) -> tuple[tuple[int, int], int]:
+        slot, per = _geometry(size)
+        return (slot, s // per), (s % per) * slot
 
     def path(self, key: tuple[int, int]) -> Path:
         return self.root / name(key)
@@ -137,6 +152,45 @@ class Segments:
             while n < len(whole):
                 n += os.pwrite(fd, whole[n:], off + n)
         return key
+
+    def write_many(self, hashes: Sequence[BlockHash], datas: Sequence[memoryview],
+                   slots: Sequence[int]) -> tuple[list[int | None], set[tuple[int, int]], OSError | None]:
+        """`write` of many objects into their slots, checksums computed here:
+        each object's checksum, or None where it was not written; the files
+        written to (to `sync`); the first error met (ENOSPC: full)."""
+        placed = [self._place(len(d), s) for d, s in zip(datas, slots)]
+        fds, err = self._grown(placed)
+        if write_slots is not None and XXH3:
+            sums, code = write_slots(fds, [off for _, off in placed], hashes, datas, XXH3)
+            err = err or (OSError(code, os.strerror(code)) if code else None)
+        else:
+            sums = []
+            for h, d, s, fd in zip(hashes, datas, slots, fds):
+                sums.append(None)
+                if fd < 0:
+                    continue
+                csum = xxhash.xxh3_64_intdigest(d)
+                try:
+                    self.write(h, d, s, csum)
+                    sums[-1] = csum
+                except OSError as e:
+                    err = err or e
+        return sums, {key for (key, _), c in zip(placed, sums) if c is not None}, err
+
+    def _grown(self, placed: list[tuple[tuple[int, int], int]]) -> tuple[list[int], OSError | None]:
+        """The fd for each placed slot, its file grown past the furthest one
+        (-1 where that failed: the first error is returned)."""
+        ends: dict[tuple[int, int], int] = {}
+        for key, off in placed:
+            ends[key] = max(ends.get(key, 0), off + key[0])
+        fds, err = {}, None
+        for key, end in ends.items():
+            try:
+                fds[key] = self._fd(key)
+                self._grow(key, fds[key], end)
+            except OSError as e:
+                fds[key], err = -1, err or e
+        return [fds[key] for key, _ in placed], err
 
     def sync(self, keys: set[tuple[int, int]]) -> None:
         """Make the slots written to those files durable (fdatasync each)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from array import array
+from typing import Sequence
 
 import numpy as np
 
@@ -37,14 +38,21 @@ class FreeSlots:
 
     def take(self, size: int) -> int:
         """A free slot for an object of `size` bytes (past the mark if none)."""
-        c = slot_size(size)
+        return self.take_many([size])[0]
+
+    def take_many(self, sizes: Sequence[int]) -> list[int]:
+        """`take` for each of `sizes`, under one hold of the lock."""
+        out = []
         with self._lock:
-            free = self._free.get(c)
-            if free:
-                return free.pop()
-            s = self.marks.get(c, 0)
-            self.marks[c] = s + 1
-            return s
+            for size in sizes:
+                c = slot_size(size)
+                free = self._free.get(c)
+                if free:
+                    out.append(free.pop())
+                else:
+                    out.append(self.marks.get(c, 0))
+                    self.marks[c] = out[-1] + 1
+        return out
 
     def give(self, size: int, s: int) -> None:
         """Slot `s` (of an object of `size` bytes) is free again."""

@@ -69,8 +69,8 @@ def copy_hashed(dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray], skip: in
     (docs/benchmarks.md). One C call where built (with the xxhash package's
     own XXH3); the loop below is the reference, and takes a copy larger
     than FUSE_BYTES in pieces."""
-    if copy_hash_many is not None and _XXH3:
-        return in_halves(lambda a, b: copy_hash_many(dsts[a:b], srcs[a:b], skip, _XXH3), [len(s) for s in srcs])
+    if copy_hash_many is not None and XXH3:
+        return in_halves(lambda a, b: copy_hash_many(dsts[a:b], srcs[a:b], skip, XXH3), [len(s) for s in srcs])
     sums: list[int] = []
     for d, s in zip(dsts, srcs):
         n = len(s)
@@ -138,7 +138,7 @@ def _xxh3_address() -> int:
     return addr if ok else 0
 
 
-_XXH3 = _xxh3_address()
+XXH3 = _xxh3_address()  # the xxhash package's XXH3_64bits, for our C loops (0: not found)
 
 
 def _copy(d: np.ndarray, s: np.ndarray) -> None:

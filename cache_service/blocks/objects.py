@@ -187,6 +187,14 @@ def encode(ns: Namespace, h: BlockHash, payload: torch.Tensor) -> torch.Tensor:
     return encode_into(torch.empty(object_size(ns), dtype=torch.uint8), ns, h, payload.cpu())
 
 
+def encode_many(ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`encode` of many blocks: one allocation, each payload copied and hashed
+    in one pass (`encode_rows`); the objects are views of its rows."""
+    rows = torch.empty(len(hashes), object_size(ns), dtype=torch.uint8)
+    encode_rows(rows, ns, hashes, payloads)
+    return list(rows.unbind(0))
+
+
 def decode(obj: torch.Tensor, ns: Namespace, h: BlockHash, verify_payload: bool = True) -> torch.Tensor:
     """The payload of `obj` as a [layers, 2, block_tokens, kv_heads, head_dim]
     view in the namespace's dtype, after checking the header against (ns, h)

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import torch
 
 from cache_service.blocks.keys import Namespace
-from cache_service.blocks.objects import (HEADER_SIZE, checksums, decode, encode,
+from cache_service.blocks.objects import (HEADER_SIZE, checksums, decode, encode_many,
                                           encode_into, object_size, require, verify)
 from cache_service.config import StoreConfig
 from cache_service.store.eviction.base import EvictionPolicy
@@ -254,8 +254,9 @@ class TieredStore:
         if len(hashes) != len(payloads):
             raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
         held = self.tiers[0].contains_many(hashes)
-        new = [(h, encode(ns, h, p)) for h, p, ok in zip(hashes, payloads, held) if not ok]
-        return self._store_new(hashes, held, new, owned=True)
+        todo = [(h, p) for h, p, ok in zip(hashes, payloads, held) if not ok]
+        objs = encode_many(ns, [h for h, _ in todo], [p for _, p in todo])
+        return self._store_new(hashes, held, [(h, obj) for (h, _), obj in zip(todo, objs)], owned=True)
 
     def store_objects(self, ns: Namespace, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],
                       verify: bool = True, owned: bool = False) -> int:

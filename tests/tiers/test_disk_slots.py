@@ -3,12 +3,17 @@ left by deletes, a segment file cut short, and the older one-file-per-block
 layout found on open."""
 from __future__ import annotations
 
+import errno
 import os
 
+import pytest
 import torch
+import xxhash
 
 from tests.tiers.disk_writer_child import block_for, key_for
+from tiers import disk_slots
 from tiers.disk import DiskTier
+from tiers.disk_slots import Segments
 
 MB = 1 << 20
 
@@ -88,3 +93,71 @@ def test_a_directory_of_the_one_file_per_block_layout_is_set_aside_and_removed(t
     assert tier.swept.wait(30)
     assert not (tmp_path / "data").exists() and not list(tmp_path.glob("*old-layout*"))
     tier.close()
+
+
+@pytest.mark.parametrize("in_c", [True, False])
+def test_a_batch_of_slot_writes_in_one_call_writes_what_the_python_loop_writes(tmp_path, monkeypatch, in_c):
+    # the C batch (built here) and the Python loop it replaces
+    assert disk_slots.write_slots is not None, "C slot writer missing (pip install -e . needs a C compiler)"
+    if not in_c:
+        monkeypatch.setattr(disk_slots, "write_slots", None)
+    hs = same_size_keys(64)[:5]
+    datas = [memoryview(block_for(h).numpy()) for h in hs]
+    # a batch of five into scattered slots, checksums computed on the way
+    segs = Segments(tmp_path / "batch", sync=True)
+    sums, files, err = segs.write_many(hs, datas, [4, 0, 9, 1, 2])
+    assert err is None and sums == [xxhash.xxh3_64_intdigest(d) for d in datas] and len(files) == 1
+    segs.sync(files)
+    # byte for byte the files that one `write` per object makes
+    ref = Segments(tmp_path / "one-by-one", sync=True)
+    for h, d, s, c in zip(hs, datas, [4, 0, 9, 1, 2], sums):
+        ref.write(h, d, s, c)
+    for key in ref.ends():
+        assert segs.path(key).read_bytes() == ref.path(key).read_bytes()
+    # each slot reads back as its block
+    for h, d, s, c in zip(hs, datas, [4, 0, 9, 1, 2], sums):
+        buf = torch.empty(len(d), dtype=torch.uint8)
+        assert segs.read(h, len(d), c, s, buf) and buf.numpy().tobytes() == bytes(d)
+    segs.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("in_c", [True, False])
+def test_a_batch_whose_file_cannot_grow_writes_nothing_there_and_says_why(tmp_path, monkeypatch, in_c):
+    if not in_c:
+        monkeypatch.setattr(disk_slots, "write_slots", None)
+    segs = Segments(tmp_path, sync=True)
+    hs = same_size_keys(64)[:3]
+    datas = [memoryview(block_for(h).numpy()) for h in hs]
+    small = disk_slots.slot_size(len(datas[0]))
+
+    # the disk is full past the first segment's first slot
+    def allocate_one_slot(fd, off, length):
+        if off + length > small:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.ftruncate(fd, max(os.fstat(fd).st_size, off + length))
+
+    monkeypatch.setattr(os, "posix_fallocate", allocate_one_slot)
+    sums, files, err = segs.write_many(hs, datas, [0, 1, 2])
+    # the file could not grow to its furthest slot: no object written, the error returned
+    assert sums == [None, None, None] and files == set() and err.errno == errno.ENOSPC
+    # one object that fits is written
+    sums, files, err = segs.write_many(hs[:1], datas[:1], [0])
+    assert err is None and sums[0] is not None and len(files) == 1
+    segs.close()
+
+
+def test_a_failed_slot_write_in_the_c_batch_is_reported_and_the_others_still_land(tmp_path):
+    from tiers.host_copy import XXH3
+    h = same_size_keys(64)[0]
+    data = memoryview(block_for(h).numpy())
+    # one fd that cannot be written (read-only) between two that can
+    (tmp_path / "ro").write_bytes(b"")
+    ro, rw = os.open(tmp_path / "ro", os.O_RDONLY), os.open(tmp_path / "rw", os.O_RDWR | os.O_CREAT)
+    far = disk_slots.slot_size(len(data))
+    sums, code = disk_slots.write_slots([rw, ro, rw], [0, 0, far], [h] * 3, [data] * 3, XXH3)
+    # the failure is None with its errno; the others hold header and object
+    assert sums[1] is None and code == errno.EBADF and sums[0] == sums[2] == xxhash.xxh3_64_intdigest(data)
+    assert os.pread(rw, 4, far) == b"TKVS" and os.pread(rw, len(data), far + 32) == bytes(data)
+    os.close(ro)
+    os.close(rw)
