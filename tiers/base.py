@@ -148,21 +148,20 @@ class ByteBudget:
         the batch, and within capacity; their bytes are reserved (the caller
         releases the reservation when the writes end)."""
         assert len(hashes) == len(objs), "one object per hash"
-        for obj in objs:
-            assert obj.dtype == torch.uint8 and obj.dim() == 1 and obj.is_contiguous(), \
-                "objects are 1-D contiguous uint8 tensors"
-            self.footprint(obj.numel())
+        assert all(o.dtype == torch.uint8 and o.dim() == 1 and o.is_contiguous() for o in objs), \
+            "objects are 1-D contiguous uint8 tensors"
+        sizes = [self.footprint(obj.numel()) for obj in objs]
         todo: list[int] = []
         held = self._present(hashes)  # racy, and so are puts: the tier's commit checks again
         with self._lock:
             self._check_open()
             seen: set[BlockHash] = set()
-            for i, (h, obj) in enumerate(zip(hashes, objs)):
+            for i, (h, size) in enumerate(zip(hashes, sizes)):
                 if h in seen or held[i]:
                     continue
                 seen.add(h)
-                if self._used + self._reserved + obj.numel() <= self.capacity_bytes:
-                    self._reserved += obj.numel()
+                if self._used + self._reserved + size <= self.capacity_bytes:
+                    self._reserved += size
                     todo.append(i)
         return todo
 

@@ -166,9 +166,6 @@ class DiskTier(ByteBudget, Tier):
         raw = self._reading(lambda index: index.get_many(hashes))
         return [RECORD.unpack(v) if v is not None else None for v in raw]
 
-    def _present(self, hashes: Sequence[BlockHash]) -> list[bool]:
-        return self._reading(lambda index: index.has_many(hashes))
-
     def location_of(self, h: BlockHash) -> tuple[Path, int, int] | None:
         """(segment file, offset, size) of block `h`'s object bytes, if held."""
         e = self.records_of([h])[0]
@@ -223,16 +220,32 @@ class DiskTier(ByteBudget, Tier):
         if not written:
             return
         with self.commit_lock:
-            held = self.records_of([w[0] for w in written])
+            held = self._held_records([w[0] for w in written])
             fresh = [w for w, e in zip(written, held) if e is None]
             # beaten by a racing put (or indexed by a heal that found this very slot: kept)
             self._free(w for w, e in zip(written, held) if e is not None and e[2] != w[3])
-            puts = {h: RECORD.pack(size, csum, s, self._atimes.tick()) for h, size, csum, s in fresh}
+            pack = RECORD.pack
+            puts = {h: pack(size, csum, s, t) for (h, size, csum, s), t in zip(fresh, self._atimes.ticks(len(fresh)))}
             if not self._write_index(puts, [], dict(self.space.marks)):
                 self.stats.add(errors=1)
                 self._free(fresh)
                 return
         self.stats.add(bytes_in=sum(w[1] for w in fresh))
+
+    def _held_records(self, hashes: list[BlockHash]) -> list[Entry | None]:
+        """`records_of`, read from the index only for the hashes that may be
+        held (`_maybe`): a put's new blocks cost no read."""
+        return _only_where(self._maybe(hashes), hashes, self.records_of, None)
+
+    def _present(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        return _only_where(self._maybe(hashes), hashes,
+                           lambda hs: self._reading(lambda index: index.has_many(hs)), False)
+
+    def _maybe(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """False where the presence table, once filled, says a block is not
+        held (a True may be another block sharing its first 8 bytes)."""
+        with self._lock:
+            return self._presence.contains(hashes) if self.presence_ready else [True] * len(hashes)
 
     def delete_many(self, hashes: Iterable[BlockHash]) -> int:
         hashes = list(dict.fromkeys(hashes))
@@ -394,3 +407,11 @@ class DiskTier(ByteBudget, Tier):
     def _check_open(self) -> None:
         if self.closed:
             raise TierKVError(f"disk tier {self.root} is closed")
+
+
+def _only_where(ask: list[bool], hashes: Sequence[BlockHash], read: Callable[[list[BlockHash]], list[T]],
+                default: T) -> list[T]:
+    """`read` of the hashes where `ask` is True, `default` for the others."""
+    todo = [h for h, a in zip(hashes, ask) if a]
+    got = iter(read(todo) if todo else [])
+    return [next(got) if a else default for a in ask]

@@ -262,9 +262,12 @@ class DiskIndex:
                 for c, m in (marks or {}).items():
                     held[c] = max(held.get(c, 0), m)
                 for k, v in puts.items():
-                    old = txn.get(k)
-                    txn.put(k, v)
-                    blocks, nbytes = blocks + (old is None), nbytes + _size(v) - (_size(old) if old else 0)
+                    if txn.put(k, v, overwrite=False):  # new, the usual case: one call, no read
+                        blocks, nbytes = blocks + 1, nbytes + _size(v)
+                    else:
+                        old = txn.get(k)
+                        txn.put(k, v)
+                        nbytes += _size(v) - _size(old)
                 for k in dels:
                     old = txn.pop(k)
                     if old is not None:

@@ -41,6 +41,13 @@ class AccessTimes:
             self._clock = max(time.time_ns(), self._clock + 1)
             return self._clock
 
+    def ticks(self, n: int) -> list[int]:
+        """n `tick`s at once (one batch's records)."""
+        with self._lock:
+            first = max(time.time_ns(), self._clock + 1)
+            self._clock = first + n - 1
+        return list(range(first, first + n))
+
     def read(self, found: Sequence[tuple[BlockHash, tuple[int, int, int, int]]]) -> bool:
         """These records were read now; True once enough wait to be written."""
         with self._lock:

@@ -189,10 +189,37 @@ def encode(ns: Namespace, h: BlockHash, payload: torch.Tensor) -> torch.Tensor:
 
 def encode_many(ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """`encode` of many blocks: one allocation, each payload copied and hashed
-    in one pass (`encode_rows`); the objects are views of its rows."""
+    in one pass (`encode_rows`); the objects are views of its rows. Small
+    CPU payloads alike in shape and dtype are copied by one `torch.stack`
+    (`_stack_into`)."""
     rows = torch.empty(len(hashes), object_size(ns), dtype=torch.uint8)
-    encode_rows(rows, ns, hashes, payloads)
+    if not _stack_into(rows, ns, payloads):
+        encode_rows(rows, ns, hashes, payloads)
+        return list(rows.unbind(0))
+    table = rows.numpy()
+    rehead(rows, ns, hashes, [xxhash.xxh3_64_intdigest(table[i, HEADER_SIZE:]) for i in range(len(hashes))])
     return list(rows.unbind(0))
+
+
+STACKED_BYTES = 64 << 10  # payloads up to this size are copied by one stack per batch
+
+
+def _stack_into(rows: torch.Tensor, ns: Namespace, payloads: Sequence[torch.Tensor]) -> bool:
+    """Copy the payloads into rows[:, HEADER_SIZE:] with one torch call, when
+    they are small, on the CPU and all of one shape and dtype holding
+    ns.payload_bytes: a view per block costs several torch calls, each of
+    which lets the store's writer thread take the GIL (a few us apiece at
+    1 KiB blocks, more than the copy). False: nothing copied."""
+    if not payloads or ns.payload_bytes > STACKED_BYTES:
+        return False
+    first = payloads[0]
+    if first.numel() * first.element_size() != ns.payload_bytes or first.dim() == 0 or \
+            not all(p.device.type == "cpu" and p.dtype == first.dtype and p.shape == first.shape for p in payloads):
+        return False
+    out = rows[:, HEADER_SIZE:].view(first.dtype).view(len(payloads), *first.shape)
+    with torch.no_grad():
+        torch.stack(list(payloads), out=out)
+    return True
 
 
 def decode(obj: torch.Tensor, ns: Namespace, h: BlockHash, verify_payload: bool = True) -> torch.Tensor:
@@ -328,12 +355,23 @@ def rehead(rows: Objects, ns: Namespace, keys: Sequence[BlockHash], sums: Sequen
         for i, (k, c) in enumerate(zip(keys, sums)):
             rows[at[i] if at is not None else i][:HEADER_SIZE] = header(ns, k, c)
         return
-    heads = torch.frombuffer(bytearray(b"".join(header(ns, k, c) for k, c in zip(keys, sums))),
-                             dtype=torch.uint8).view(-1, HEADER_SIZE)
+    heads = torch.from_numpy(_heads(ns, keys, sums))
     if at is None:
         rows[:, :HEADER_SIZE].copy_(heads)
     else:
         rows[:, :HEADER_SIZE].index_copy_(0, torch.tensor(list(at), dtype=torch.long), heads)
+
+
+def _heads(ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int]) -> np.ndarray:
+    """`header(ns, keys[i], sums[i])` of each i as rows of one [n, HEADER_SIZE]
+    array: the namespace's template with the hash and checksum fields set,
+    then each row's header checksum (one `header` call per block costs more)."""
+    heads = np.repeat(_template(ns).numpy(), len(keys), axis=0)
+    heads[:, _HASH_FIELD] = np.frombuffer(b"".join(keys), np.uint8).reshape(-1, 16)
+    heads[:, _CSUM_FIELD] = np.array(sums, dtype="<u8").view(np.uint8).reshape(-1, 8)
+    tails = [xxhash.xxh3_64_intdigest(row) for row in heads[:, :_FIXED.size]]
+    heads[:, _FIXED.size:_FIXED.size + _TAIL.size] = np.array(tails, dtype="<u8").view(np.uint8).reshape(-1, 8)
+    return heads
 
 
 def adopt(rows: torch.Tensor, sent_ns: Namespace, sent: Sequence[BlockHash], ns: Namespace,

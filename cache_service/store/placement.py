@@ -216,17 +216,17 @@ class Placement:
         """Queue items for writer i, in the in-flight map until they land (a
         full queue waits or drops, per ``cfg.queue_full`` unless `wait` says)."""
         st = self.state
-        writer = st.writers[i]
         wait = st.cfg.queue_full == "wait" if wait is None else wait
-        for h, obj in items:
-            with st.meta:
+        with st.meta:
+            for h, obj in items:
                 entry = st.inflight.setdefault(h, [obj, 0])
                 entry[1] += 1
                 if h in st.holds:
                     st.holds[h][0] += 1
-            if not writer.submit((h, obj), wait):
-                self._release([h])
-                st.count(i, dropped=1)
+        queued = st.writers[i].submit_many(items, wait)
+        if queued < len(items):
+            self._release(h for h, _ in items[queued:])
+            st.count(i, dropped=len(items) - queued)
 
     def keep(self, releases: dict[BlockHash, Callable[[], None]]) -> None:
         """Writes of these blocks are about to be queued with objects that are

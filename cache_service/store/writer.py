@@ -8,9 +8,9 @@ disappears from lookups while it moves down.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from typing import Callable, Sequence
 
 import torch
@@ -18,7 +18,6 @@ import torch
 from tiers.types import BlockHash
 
 log = logging.getLogger("tierkv.writer")
-_STOP = object()
 Item = tuple[BlockHash, torch.Tensor]
 
 
@@ -26,12 +25,19 @@ WRITE_BATCH = 256  # items per write: a tier's fixed cost per batch (a directory
 
 
 class TierWriter:
-    """Drains `q` into `write(batch)`; `write` is the store's persist function."""
+    """Drains its queue into `write(batch)`; `write` is the store's persist
+    function. Items are queued many at a time (`submit_many`): one lock
+    hold per batch, where a queue.Queue takes two condition rounds per item."""
 
     def __init__(self, name: str, depth: int, write: Callable[[Sequence[Item]], None], batch: int = WRITE_BATCH,
                  tick: Callable[[], bool | None] | None = None, tick_s: float = 1.0) -> None:
+        assert depth > 0 and batch > 0
         self.name = name
-        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self._depth_limit = depth
+        self._items: deque[Item] = deque()
+        self._unfinished = 0  # queued, or in the batch being written
+        self._stopping = False
+        self._cond = threading.Condition()
         self._write = write
         self._batch = batch
         self._tick, self._tick_s = tick, tick_s  # run on this thread every tick_s; True: again after a batch
@@ -41,39 +47,57 @@ class TierWriter:
 
     def submit(self, item: Item, wait: bool) -> bool:
         """Queue one object; False when the queue is full and `wait` is False."""
-        try:
-            self.q.put(item, block=wait)
-            return True
-        except queue.Full:
-            return False
+        return self.submit_many([item], wait) == 1
+
+    def submit_many(self, items: Sequence[Item], wait: bool) -> int:
+        """Queue objects in order; how many were queued: all of them when
+        `wait` (waiting for room as the writer drains), else those that fit."""
+        done = 0
+        with self._cond:
+            while done < len(items):
+                room = self._depth_limit - len(self._items)
+                if room <= 0:
+                    if not wait:
+                        break
+                    self._cond.wait()
+                    continue
+                take = items[done:done + room]
+                self._items.extend(take)
+                self._unfinished += len(take)
+                done += len(take)
+                self._cond.notify_all()
+        return done
 
     def depth(self) -> int:
         """Objects not yet written: queued, or in the batch being written."""
-        return self.q.unfinished_tasks
+        return self._unfinished
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued object is written (or `timeout` passes)."""
-        done = threading.Event()
-        threading.Thread(target=lambda: (self.q.join(), done.set()), daemon=True).start()
-        return done.wait(timeout)
+        with self._cond:
+            return self._cond.wait_for(lambda: self._unfinished == 0, timeout)
 
     def stop(self, timeout: float | None = None) -> None:
         self.flush(timeout)
-        self.q.put(_STOP)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
         self._thread.join(timeout)
 
     def _next_batch(self) -> tuple[list[Item], bool]:
-        try:
-            items = [self.q.get(timeout=self._tick_s if self._tick else None)]
-        except queue.Empty:
-            return [], False
-        while len(items) < self._batch:
-            try:
-                items.append(self.q.get_nowait())
-            except queue.Empty:
-                break
-        stop = any(it is _STOP for it in items)
-        return [it for it in items if it is not _STOP], stop
+        with self._cond:
+            if not self._items and not self._stopping:
+                self._cond.wait(self._tick_s if self._tick else None)
+            n = min(self._batch, len(self._items))
+            batch = [self._items.popleft() for _ in range(n)]
+            if batch:
+                self._cond.notify_all()  # room for waiting submitters
+            return batch, self._stopping and not self._items
+
+    def _done(self, n: int) -> None:
+        with self._cond:
+            self._unfinished -= n
+            self._cond.notify_all()
 
     def _run(self) -> None:
         while True:
@@ -84,8 +108,8 @@ class TierWriter:
             except Exception:  # dispatch boundary: a failed lower copy is a future miss, never a crash
                 log.exception("writer %s: batch of %d failed", self.name, len(batch))
             finally:
-                for _ in range(len(batch) + (1 if stop else 0)):
-                    self.q.task_done()
+                if batch:
+                    self._done(len(batch))
             if stop:
                 return
             self._maybe_tick()

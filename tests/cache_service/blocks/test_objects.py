@@ -112,11 +112,13 @@ def test_encoding_many_rows_equals_encoding_each_block(batched_copy, monkeypatch
 
 def test_encoding_many_blocks_at_once_equals_encoding_each():
     # what the store encodes per call: each object equal to encode()'s, all views of one allocation
-    payloads = [_payload(30), _payload(31), _payload(32)]
-    objs = encode_many(NS, H[:3], payloads)
-    for obj, h, p in zip(objs, H, payloads):
-        assert torch.equal(obj, encode(NS, h, p)) and obj.is_contiguous()
-    assert len({obj.untyped_storage().data_ptr() for obj in objs}) == 1
+    transposed = _payload(32).transpose(-1, -2).contiguous().transpose(-1, -2)
+    for payloads in ([_payload(30), _payload(31), transposed],  # alike: copied by one stack (one not contiguous)
+                     [_payload(30), _payload(31).view(torch.uint8), transposed]):  # not alike: one view each
+        objs = encode_many(NS, H[:3], payloads)
+        for obj, h, p in zip(objs, H, payloads):
+            assert torch.equal(obj, encode(NS, h, p)) and obj.is_contiguous()
+        assert len({obj.untyped_storage().data_ptr() for obj in objs}) == 1
     # nothing to encode is no objects; a wrong size is refused
     assert encode_many(NS, [], []) == []
     with pytest.raises(ValueError, match="bytes"):
