@@ -48,7 +48,7 @@ from tiers.disk_recency import AccessTimes
 from tiers.disk_slots import Check, Segments
 from tiers.disk_space import FreeSlots
 from tiers.disk_sweep import sweep
-from tiers.presence import PresenceTable
+from tiers.presence import PresenceTable, read_where
 from tiers.types import HASH_BYTES, BlockHash, TierKVError, TierUnavailableError
 
 log = logging.getLogger(__name__)
@@ -188,17 +188,10 @@ class DiskTier(ByteBudget, Tier):
         """Write the objects into free slots and make them durable: (hash,
         size, checksum, slot) of each written; a slot that failed (ENOSPC
         is a full disk, anything else an error) is free again."""
-        datas = [memoryview(obj.cpu().numpy()) for obj in objs]
-        slots = self.space.take_many([len(d) for d in datas])
-        sums, files, err = self.segments.write_many(hashes, datas, slots)
+        datas = [memoryview((o if o.device.type == "cpu" else o.cpu()).numpy()) for o in objs]
+        written, files, err = self.space.write_into(self.segments, hashes, datas)
         if err is not None:
             self._write_failed(err)
-        written = []
-        for h, d, s, csum in zip(hashes, datas, slots, sums):
-            if csum is None:
-                self.space.give(len(d), s)
-            else:
-                written.append((h, len(d), csum, s))
         try:
             self.segments.sync(files)
         except OSError as e:
@@ -220,7 +213,7 @@ class DiskTier(ByteBudget, Tier):
         if not written:
             return
         with self.commit_lock:
-            held = self._held_records([w[0] for w in written])
+            held = self._maybe_read([w[0] for w in written], self.records_of, None)
             fresh = [w for w, e in zip(written, held) if e is None]
             # beaten by a racing put (or indexed by a heal that found this very slot: kept)
             self._free(w for w, e in zip(written, held) if e is not None and e[2] != w[3])
@@ -232,20 +225,16 @@ class DiskTier(ByteBudget, Tier):
                 return
         self.stats.add(bytes_in=sum(w[1] for w in fresh))
 
-    def _held_records(self, hashes: list[BlockHash]) -> list[Entry | None]:
-        """`records_of`, read from the index only for the hashes that may be
-        held (`_maybe`): a put's new blocks cost no read."""
-        return _only_where(self._maybe(hashes), hashes, self.records_of, None)
-
     def _present(self, hashes: Sequence[BlockHash]) -> list[bool]:
-        return _only_where(self._maybe(hashes), hashes,
-                           lambda hs: self._reading(lambda index: index.has_many(hs)), False)
+        return self._maybe_read(hashes, lambda hs: self._reading(lambda index: index.has_many(hs)), False)
 
-    def _maybe(self, hashes: Sequence[BlockHash]) -> list[bool]:
-        """False where the presence table, once filled, says a block is not
-        held (a True may be another block sharing its first 8 bytes)."""
+    def _maybe_read(self, hashes: Sequence[BlockHash], read: Callable[[list[BlockHash]], list[T]],
+                    default: T) -> list[T]:
+        """`read` of the hashes the presence table, once filled, says may be
+        held; `default` for the others (a put's new blocks cost no index read)."""
         with self._lock:
-            return self._presence.contains(hashes) if self.presence_ready else [True] * len(hashes)
+            maybe = self._presence.contains(hashes) if self.presence_ready else None
+        return read_where(maybe, hashes, read, default)
 
     def delete_many(self, hashes: Iterable[BlockHash]) -> int:
         hashes = list(dict.fromkeys(hashes))
@@ -408,10 +397,3 @@ class DiskTier(ByteBudget, Tier):
         if self.closed:
             raise TierKVError(f"disk tier {self.root} is closed")
 
-
-def _only_where(ask: list[bool], hashes: Sequence[BlockHash], read: Callable[[list[BlockHash]], list[T]],
-                default: T) -> list[T]:
-    """`read` of the hashes where `ask` is True, `default` for the others."""
-    todo = [h for h, a in zip(hashes, ask) if a]
-    got = iter(read(todo) if todo else [])
-    return [next(got) if a else default for a in ask]

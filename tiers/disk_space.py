@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tiers.disk_slots import slot_size, slot_sizes
+from tiers.disk_slots import Segments, slot_size, slot_sizes
 
 _ROW = np.dtype([("size", "<u8"), ("csum", "<u8"), ("slot", "<u8"), ("atime", "<u8")])  # tiers/disk_index.RECORD
 
@@ -53,6 +53,18 @@ class FreeSlots:
                     out.append(self.marks.get(c, 0))
                     self.marks[c] = out[-1] + 1
         return out
+
+    def write_into(self, segments: Segments, hashes: Sequence[bytes], datas: Sequence[memoryview]
+                   ) -> tuple[list[tuple[bytes, int, int, int]], set[tuple[int, int]], OSError | None]:
+        """Write the objects into free slots of `segments`: (hash, size,
+        checksum, slot) of each written, the files to sync, the first error
+        met; the slot of one not written is free again."""
+        slots = self.take_many([len(d) for d in datas])
+        sums, files, err = segments.write_many(hashes, datas, slots)
+        for d, s, csum in zip(datas, slots, sums):
+            if csum is None:
+                self.give(len(d), s)
+        return [(h, len(d), c, s) for h, d, s, c in zip(hashes, datas, slots, sums) if c is not None], files, err
 
     def give(self, size: int, s: int) -> None:
         """Slot `s` (of an object of `size` bytes) is free again."""

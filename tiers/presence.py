@@ -17,9 +17,11 @@ Not thread-safe: the owner serializes `add`, `discard` and `contains`.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 try:  # the lookup in one C call (setup.py builds it); the numpy `_find` below gives the same answers
     from tiers._presence import contains as _contains
@@ -140,3 +142,15 @@ class PresenceTable:
 def _buckets_for(n: int) -> int:
     """Buckets for n keys at a load of at most 3/8 (room to grow before the next rehash)."""
     return max(_MIN_BUCKETS, 1 << max(0, int(np.ceil(np.log2(max(1, n) * 8 / 3 / WAYS)))))
+
+
+def read_where(maybe: list[bool] | None, hashes: Sequence[bytes], read: Callable[[list[bytes]], list[T]],
+               default: T) -> list[T]:
+    """`read` of the hashes where `maybe` is True (None: of all), `default`
+    for the others: the exact answer asked only where the table cannot rule
+    a block out."""
+    if maybe is None:
+        return read(list(hashes))
+    todo = [h for h, m in zip(hashes, maybe) if m]
+    got = iter(read(todo) if todo else [])
+    return [next(got) if m else default for m in maybe]
