@@ -66,14 +66,15 @@ SYSTEMS = [System("vllm"), System("vllm_offloading", connector="offloading"),
 QUICK = replace(TraceShape(), sessions=6, turns=(3, 4), system_tokens=600, tool_tokens=(100, 300),
                 output_tokens=(16, 32))
 QUICK_SYSTEMS = ["vllm", "vllm_lmcache", "vllm_tierkv", "vllm_tierkv_hints"]
-# the full run: every system at three rates within 25 minutes, so sessions of 3-5 turns (TraceShape() itself, 12
+# the full run: every system at four rates within 25 minutes, so sessions of 3-5 turns (TraceShape() itself, 12
 # sessions of 6-10 turns, takes hours on 2 cores), scaled to the dtype: in float32 6 sessions of contexts up to
 # ~2k tokens; bfloat16 (--dtype, on a CPU with AVX512-BF16 or AMX) prefills ~2.5x faster, and that trace would
 # leave vLLM's own KV holding ~87% of the reuse (the working set about fits), so 8 sessions whose tool results
 # grow contexts to 3-5k tokens, as the trace has them
 FULL = {"float32": replace(TraceShape(), sessions=6, turns=(3, 5), tool_tokens=(120, 360), output_tokens=(16, 40)),
         "bfloat16": replace(TraceShape(), sessions=8, turns=(3, 5), tool_tokens=(300, 900), output_tokens=(16, 40))}
-FULL_RATES = [0.25, 0.5, 1.0]
+FULL_RATES = [0.25, 0.5, 1.0, 2.0]  # to past where vLLM alone meets its SLO for under half its requests (the summary's
+# rate is the highest below): at 1.0 it still met it for 59-62% on both machines measured
 
 
 def max_model_len(shape: TraceShape) -> int:
