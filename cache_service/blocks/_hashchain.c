@@ -88,16 +88,30 @@ static PyObject *chain_list(PyObject *self, PyObject *args) {
          * otherwise wait out its own miss (half the rate at 64 x 8k tokens). */
         if (i + PREFETCH_AHEAD < n)
             for (Py_ssize_t k = 0; k < bt; k++) __builtin_prefetch(items[(i + PREFETCH_AHEAD) * bt + k]);
-        for (Py_ssize_t k = 0; k < bt; k++) {
-            long v = token_value(items[i * bt + k]);
+        PyObject **blk = items + i * bt;
+        unsigned char *d = buf + 16;
+        Py_ssize_t k = 0;
+#if PY_VERSION_HEX < 0x030C0000 && PY_LITTLE_ENDIAN
+        /* The fast path, one branch per token: a non-negative int below 2**30
+         * (one digit; zero has none) is every real token id. Its value in
+         * host order is the reference's <i4 on a little-endian host. */
+        for (; k < bt; k++) {
+            PyObject *o = blk[k];
+            Py_ssize_t size = Py_SIZE(o);
+            if (Py_TYPE(o) != &PyLong_Type || (size_t)size > 1) break;
+            uint32_t u = size ? (uint32_t)((PyLongObject *)o)->ob_digit[0] : 0;
+            memcpy(d + 4 * k, &u, 4);
+        }
+#endif
+        for (; k < bt; k++) {
+            long v = token_value(blk[k]);
             if ((v == -1 && PyErr_Occurred()) || v < INT32_MIN || v > INT32_MAX) {
                 if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "token ids must fit in int32");
                 Py_CLEAR(out);
                 break;
             }
             uint32_t u = (uint32_t)(int32_t)v;
-            unsigned char *d = buf + 16 + 4 * k;
-            d[0] = u & 0xff; d[1] = (u >> 8) & 0xff; d[2] = (u >> 16) & 0xff; d[3] = (u >> 24) & 0xff;
+            d[4 * k] = u & 0xff; d[4 * k + 1] = (u >> 8) & 0xff; d[4 * k + 2] = (u >> 16) & 0xff; d[4 * k + 3] = (u >> 24) & 0xff;
         }
         if (!out) break;
         put_canonical(buf, XXH3_128bits(buf, 16 + 4 * bt));

@@ -52,8 +52,13 @@ def test_accelerator_is_built_and_agrees_on_long_prompts(monkeypatch):
     rng = np.random.default_rng(0)
     toks = rng.integers(0, 2**31 - 1, size=4099)
     fast = chain_hashes(bytes(16), toks, 16)
+    # a list of Python ints is read straight from the list: small ids (one-digit ints, the fast path),
+    # zero, negatives and ids past 2**30 (the general path), mixed within one block
+    ids = rng.integers(0, 128_000, size=4099).tolist() + [0, -1, 2**30, 2**30 - 1, -(2**31), 2**31 - 1, 7, 0] * 8
+    listed = chain_hashes(bytes(16), ids, 16)
     monkeypatch.setattr(keys, "_hashchain", None)
     assert chain_hashes(bytes(16), toks, 16) == fast and len(fast) == 4099 // 16
+    assert chain_hashes(bytes(16), ids, 16) == listed and len(listed) == len(ids) // 16
 
 
 def test_keys_are_identical_in_another_process():
