@@ -8,6 +8,7 @@
 #include <xxhash.h>
 
 #define PREFETCH_AHEAD 8
+#define NOINLINE __attribute__((noinline))
 
 static void put_canonical(unsigned char *dst, XXH128_hash_t h) {
     XXH128_canonical_t c;
@@ -47,18 +48,17 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* An int's value; a single-digit int (|v| < 2**30, every real token id) is
- * read straight from the object on CPython < 3.12, whose layout we know. */
-static inline long token_value(PyObject *o) {
-#if PY_VERSION_HEX < 0x030C0000
-    if (PyLong_CheckExact(o)) {
-        Py_ssize_t size = Py_SIZE(o);
-        if (size == 0) return 0;
-        if (size == 1) return (long)((PyLongObject *)o)->ob_digit[0];
-        if (size == -1) return -(long)((PyLongObject *)o)->ob_digit[0];
+/* A token id's int32 bits, or -1 with an exception set (not an int, or
+ * outside int32). Out of line: the loop below reads every real token id
+ * itself and calls this only for the rest. */
+static NOINLINE int token_bits(PyObject *o, uint32_t *u) {
+    long v = PyLong_AsLong(o);
+    if ((v == -1 && PyErr_Occurred()) || v < INT32_MIN || v > INT32_MAX) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "token ids must fit in int32");
+        return -1;
     }
-#endif
-    return PyLong_AsLong(o);
+    *u = (uint32_t)(int32_t)v;
+    return 0;
 }
 
 /* chain_list(parent16, tokens: list[int], block_tokens) -> list[bytes]
@@ -89,29 +89,23 @@ static PyObject *chain_list(PyObject *self, PyObject *args) {
         if (i + PREFETCH_AHEAD < n)
             for (Py_ssize_t k = 0; k < bt; k++) __builtin_prefetch(items[(i + PREFETCH_AHEAD) * bt + k]);
         PyObject **blk = items + i * bt;
-        unsigned char *d = buf + 16;
-        Py_ssize_t k = 0;
-#if PY_VERSION_HEX < 0x030C0000 && PY_LITTLE_ENDIAN
-        /* The fast path, one branch per token: a non-negative int below 2**30
-         * (one digit; zero has none) is every real token id. Its value in
-         * host order is the reference's <i4 on a little-endian host. */
-        for (; k < bt; k++) {
+        for (Py_ssize_t k = 0; k < bt; k++) {
             PyObject *o = blk[k];
-            Py_ssize_t size = Py_SIZE(o);
-            if (Py_TYPE(o) != &PyLong_Type || (size_t)size > 1) break;
-            uint32_t u = size ? (uint32_t)((PyLongObject *)o)->ob_digit[0] : 0;
-            memcpy(d + 4 * k, &u, 4);
-        }
+            uint32_t u;
+#if PY_VERSION_HEX < 0x030C0000
+            /* An exact int of at most one digit (0 <= id < 2**30, every real
+             * token id) is read straight from the object, one branch per
+             * token, on CPython < 3.12, whose layout we know. */
+            if (Py_TYPE(o) == &PyLong_Type && (size_t)Py_SIZE(o) <= 1)
+                u = Py_SIZE(o) ? (uint32_t)((PyLongObject *)o)->ob_digit[0] : 0;
+            else
 #endif
-        for (; k < bt; k++) {
-            long v = token_value(blk[k]);
-            if ((v == -1 && PyErr_Occurred()) || v < INT32_MIN || v > INT32_MAX) {
-                if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "token ids must fit in int32");
+            if (token_bits(o, &u) < 0) {
                 Py_CLEAR(out);
                 break;
             }
-            uint32_t u = (uint32_t)(int32_t)v;
-            d[4 * k] = u & 0xff; d[4 * k + 1] = (u >> 8) & 0xff; d[4 * k + 2] = (u >> 16) & 0xff; d[4 * k + 3] = (u >> 24) & 0xff;
+            unsigned char *d = buf + 16 + 4 * k;
+            d[0] = u & 0xff; d[1] = (u >> 8) & 0xff; d[2] = (u >> 16) & 0xff; d[3] = (u >> 24) & 0xff;
         }
         if (!out) break;
         put_canonical(buf, XXH3_128bits(buf, 16 + 4 * bt));
