@@ -63,25 +63,22 @@ SYSTEMS = [System("vllm"), System("vllm_offloading", connector="offloading"),
 
 
 # --quick: one rate, 6 short sessions, the systems its figures compare (each vLLM start costs 25-35 s here)
-QUICK = replace(TraceShape(), sessions=6, turns=(3, 4), system_tokens=600, tool_tokens=(100, 300),
-                output_tokens=(16, 32))
+# each trace with vLLM's --max-model-len (its longest conversation fits, with room; vLLM's KV cache, and our
+# engine's, is sized from it: `Run.small_blocks`)
+QUICK = (replace(TraceShape(), sessions=6, turns=(3, 4), system_tokens=600, tool_tokens=(100, 300),
+                 output_tokens=(16, 32)), 3072)
 QUICK_SYSTEMS = ["vllm", "vllm_lmcache", "vllm_tierkv", "vllm_tierkv_hints"]
 # the full run: every system at four rates within 25 minutes, so sessions of 3-5 turns (TraceShape() itself, 12
 # sessions of 6-10 turns, takes hours on 2 cores), scaled to the dtype: in float32 6 sessions of contexts up to
 # ~2k tokens; bfloat16 (--dtype, on a CPU with AVX512-BF16 or AMX) prefills ~2.5x faster, and that trace would
 # leave vLLM's own KV holding ~87% of the reuse (the working set about fits), so 8 sessions whose tool results
 # grow contexts to 3-5k tokens, as the issue's trace has them
-FULL = {"float32": replace(TraceShape(), sessions=6, turns=(3, 5), tool_tokens=(120, 360), output_tokens=(16, 40)),
-        "bfloat16": replace(TraceShape(), sessions=8, turns=(3, 5), tool_tokens=(300, 900), output_tokens=(16, 40))}
+FULL = {"float32": (replace(TraceShape(), sessions=6, turns=(3, 5), tool_tokens=(120, 360), output_tokens=(16, 40)),
+                    3072),
+        "bfloat16": (replace(TraceShape(), sessions=8, turns=(3, 5), tool_tokens=(300, 900), output_tokens=(16, 40)),
+                     6144)}
 FULL_RATES = [0.25, 0.5, 1.0, 2.0]  # to past where vLLM alone meets its SLO for under half its requests (the summary's
 # rate is the highest below): at 1.0 it still met it for 59-62% on both machines measured
-
-
-def max_model_len(shape: TraceShape) -> int:
-    """vLLM's --max-model-len: the trace's longest conversation fits, with room (3072, or 6144 for the
-    bfloat16 trace); vLLM's KV cache is sized from it (`Run.small_blocks`)."""
-    longest = shape.system_tokens + 60 + shape.turns[1] * (shape.tool_tokens[1] + shape.output_tokens[1] + 20)
-    return 3072 if longest <= 3072 else 6144
 
 
 class Run:
@@ -300,7 +297,7 @@ def main() -> int:
     import torch
 
     dtype = auto_dtype(torch.device("cpu")) if args.dtype == "auto" else args.dtype
-    shape = QUICK if args.quick else FULL["bfloat16" if dtype == "bfloat16" else "float32"]
+    shape, max_len = QUICK if args.quick else FULL["bfloat16" if dtype == "bfloat16" else "float32"]
     rates = [float(r) for r in args.rates.split(",")] if args.rates else ([0.5] if args.quick else FULL_RATES)
     wanted = set(args.systems.split(",")) if args.systems else set(QUICK_SYSTEMS if args.quick else
                                                                    [s.name for s in SYSTEMS])
@@ -312,7 +309,7 @@ def main() -> int:
     with open(work / "servers.log", "w") as log:
         for s in [s for s in SYSTEMS if s.name in wanted]:
             rows, res, slo = run_system(s, rates, shape, work, venv_py, dtype, str(resolve_model(MODEL)), log, slo,
-                                        max_model_len(shape))
+                                        max_len)
             for rate, row in rows.items():
                 table[(s.name, rate)], results[(s.name, rate)] = row, res[rate]
                 print(f"rate {rate}: {s.name:<20} " + " ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
