@@ -17,7 +17,8 @@ store (`open_store`, cpu -> disk, as `local://` builds it):
 - index bytes per block: the lmdb index's pages in use / N;
 - lookup of 256 held hashes: `store.lookup` latency, p50 and p99 (us);
 - store rate: new blocks of the same size stored through the store with
-  fsync on, until flushed, as a ratio to raw writes of the same objects
+  fsync on, until flushed (131k of them: two of the disk tier's index
+  merges fall within), as a ratio to raw writes of the same objects
   into slots of a preallocated segment file with one fdatasync per batch
   the store's writer takes (the disk tier's layout, tiers/disk_slots.py,
   less everything else it does); and, for the layout question (#19 item
@@ -52,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 from cache_service.blocks.keys import Namespace  # noqa: E402
 from cache_service.blocks.objects import encode  # noqa: E402
 from cache_service.store.writer import WRITE_BATCH  # noqa: E402
+from tiers.disk_fresh import MERGE_RECORDS  # noqa: E402
 
 NS = Namespace("scale-bench", "bfloat16", num_layers=1, kv_heads=1, head_dim=16, block_tokens=16)
 SMOLLM2 = Namespace("scale-bench-smollm2", "bfloat16", num_layers=30, kv_heads=3, head_dim=64, block_tokens=16)
@@ -141,13 +143,14 @@ def probe(root: Path, n: int, scratch: Path) -> dict:
             "smollm2_store_blocks_s": real, "smollm2_store_rate_vs_raw": real / real_raw}
 
 
-def store_rate(store, n: int, scratch: Path, count: int = 4096, rounds: int = 4,
+def store_rate(store, n: int, scratch: Path, count: int = 2 * MERGE_RECORDS, rounds: int = 4,
                ns: Namespace = NS, base: int = 10**9) -> tuple[float, float]:
     """Blocks/s of new blocks stored and flushed (fsync on), and of raw
     writes of the same objects into slots of a segment file, one fdatasync
     per batch the store's writer takes (what the disk tier does, less all
     the rest): `rounds` alternating pairs (this VM's disk drifts by 2x
-    within a minute), the medians."""
+    within a minute), the medians. The default count is two of the disk
+    tier's index merges (tiers/disk_fresh.py), which fall inside the rounds."""
     ours, raw = [], []
     per = count // rounds
     for r in range(rounds):

@@ -2,7 +2,8 @@
  * with the GIL released.
  *
  * write_slots(fds, offsets, hashes, objs, hash) -> (sums, errno): for each
- * object, its xxh3_64 (`hash` is the address of the xxhash package's
+ * object (a buffer, or an (address, length) pair of memory the caller keeps
+ * alive through the call: a CPU tensor's, without a numpy view per block), its xxh3_64 (`hash` is the address of the xxhash package's
  * XXH3_64bits, as in _fastcopy.c), then one pwritev of the slot's 32-byte
  * header (magic "TKVS", u32 object size, u64 checksum, 16-byte block hash,
  * little-endian: disk_slots.HEAD) and the object at its offset, finishing a
@@ -11,7 +12,10 @@
  * A batch of small blocks is a few microseconds of syscall each, where the
  * same loop in Python costs several times that in interpreter time, under the
  * GIL the store's other threads need. Segments.write_many's loop is the
- * reference. */
+ * reference. With `sync` true the files written to are fdatasynced in the
+ * same call (one GIL release per batch where a separate sync makes two, and
+ * the store's other threads take the GIL at each); a failed sync fails
+ * every slot of the batch, with its errno. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
@@ -74,8 +78,19 @@ static int gather(PyObject *fds, PyObject *offs, PyObject *hashes, PyObject *obj
             PyErr_SetString(PyExc_ValueError, "each hash must be 16 bytes");
             return -1;
         }
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(objs, i), &s->obj, PyBUF_C_CONTIGUOUS) < 0) return -1;
-        s->have_obj = 1;
+        PyObject *o = PySequence_Fast_GET_ITEM(objs, i);
+        if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 2) {  /* (address, length): memory the caller keeps alive */
+            s->obj.buf = PyLong_AsVoidPtr(PyTuple_GET_ITEM(o, 0));
+            s->obj.len = PyLong_AsSsize_t(PyTuple_GET_ITEM(o, 1));
+            if (PyErr_Occurred()) return -1;
+            if (!s->obj.buf || s->obj.len < 0) {
+                PyErr_SetString(PyExc_ValueError, "an (address, length) object must name memory");
+                return -1;
+            }
+        } else {
+            if (PyObject_GetBuffer(o, &s->obj, PyBUF_C_CONTIGUOUS) < 0) return -1;
+            s->have_obj = 1;
+        }
         if (s->obj.len > 0xffffffffLL) {
             PyErr_SetString(PyExc_ValueError, "an object must be under 4 GiB");
             return -1;
@@ -97,12 +112,28 @@ static PyObject *results(Slot *slots, Py_ssize_t n, int first_errno) {
     return sums ? Py_BuildValue("(Ni)", sums, first_errno) : NULL;
 }
 
+/* fdatasync each distinct fd that took a write (GIL released); on a failure
+ * nothing of the batch is durable: every slot fails with that errno. */
+static int sync_written(Slot *slots, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!slots[i].ok) continue;
+        int seen = 0;
+        for (Py_ssize_t j = 0; j < i && !seen; j++) seen = slots[j].ok && slots[j].fd == slots[i].fd;
+        if (seen || fdatasync(slots[i].fd) == 0) continue;
+        int err = errno;
+        for (Py_ssize_t j = 0; j < n; j++) slots[j].ok = 0;
+        return err;
+    }
+    return 0;
+}
+
 static PyObject *write_slots(PyObject *self, PyObject *args) {
     PyObject *fl, *ol, *hl, *bl, *fds = NULL, *offs = NULL, *hashes = NULL, *objs = NULL, *out = NULL;
     unsigned long long addr;
+    int sync = 0;
     Slot *slots = NULL;
     Py_ssize_t n = 0;
-    if (!PyArg_ParseTuple(args, "OOOOK", &fl, &ol, &hl, &bl, &addr)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOOK|p", &fl, &ol, &hl, &bl, &addr, &sync)) return NULL;
     if (!addr) return PyErr_Format(PyExc_ValueError, "hash must be a function's address");
     if (!(fds = PySequence_Fast(fl, "fds must be a sequence")) || !(offs = PySequence_Fast(ol, "offsets too"))
         || !(hashes = PySequence_Fast(hl, "hashes too")) || !(objs = PySequence_Fast(bl, "objs too")))
@@ -126,6 +157,10 @@ static PyObject *write_slots(PyObject *self, PyObject *args) {
         s->ok = err == 0;
         if (err && !first) first = err;
     }
+    if (sync) {
+        int err = sync_written(slots, n);
+        if (err) first = err;
+    }
     Py_END_ALLOW_THREADS
     out = results(slots, n, first);
 done:
@@ -141,7 +176,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"write_slots", write_slots, METH_VARARGS,
-     "write_slots(fds, offsets, hashes, objs, hash) -> (sums, errno): each object's header and bytes into its slot"},
+     "write_slots(fds, offsets, hashes, objs, hash, sync=False) -> (sums, errno): each object's header and bytes "
+     "into its slot, then (sync) fdatasync of the files written"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -33,6 +33,7 @@ class TierStats(Counters):
     blocks: int = 0
     used_bytes: int = 0
     capacity_bytes: int = 0
+    recovering: int = 0  # 1 while a disk tier indexes again the blocks written before an unclean stop
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
 

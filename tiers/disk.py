@@ -7,17 +7,23 @@ Layout under `root`:
     index.lmdb/               hash -> (object size, xxh3_64 of it, slot, last access ns)
     LOCK                      flock held by the one process that owns the tier
 
-Crash safety: a put writes its objects into free slots, fdatasyncs the
-segment files, and only then commits their index records; so after any
-crash every indexed slot is complete, and a slot written but not indexed is
-simply free (tiers/disk_space.py). A delete commits first and frees the slot
-after. Reads check the slot's header, size and checksum against the index
+Crash safety: a put writes its objects into free slots and fdatasyncs the
+segment files (one C call) before their records exist; the records are
+fresh, in memory, until merged into lmdb many at a time, and the index
+carries a dirty flag meanwhile (tiers/disk_fresh.py), so after any crash
+every indexed slot is complete, and the slots written since the last merge
+are read and indexed again by the sweep after a dirty open (what a slot
+holds names its block, size and checksum). A delete unindexes first and
+frees the slot after. Reads check the slot's header, size and checksum against the index
 anyway (bit rot, outside writers, an undone delete whose slot was reused):
 a mismatch is a miss and the object is quarantined. A damaged index heals
 (tiers/disk_index.py): it is set aside and rebuilt from the slots whose
 objects the owner's `check` finds whole (the store passes one that reads
 each object's own header and checksum), so one damaged slot never leaves
 the engine without its cache; a missing LOCK file is simply created again.
+
+The record side (index, fresh records, access times, presence table; how
+they open, heal, merge and recover) is `DiskRecords` (tiers/disk_records.py).
 
 At scale: opening reads the index's meta record (totals, slot marks), not
 every entry. Access times given by reads reach lmdb with the next write
@@ -34,31 +40,29 @@ import os
 import threading
 from itertools import count
 from pathlib import Path
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Iterable, Sequence
 
-import lmdb
 import torch
-import xxhash
 
 from tiers.arena import Arena
 from tiers.base import ByteBudget, Tier
+from tiers.disk_fresh import FreshRecords
 from tiers.disk_index import RECORD, DiskIndex
 from tiers.disk_io import WriteErrors, buffers, fsync_dir, lock_root, readers, set_aside_old_layout
+from tiers.disk_records import DiskRecords, Entry
 from tiers.disk_recency import AccessTimes
 from tiers.disk_slots import Check, Segments
 from tiers.disk_space import FreeSlots
 from tiers.disk_sweep import sweep
-from tiers.presence import PresenceTable, read_where
-from tiers.types import HASH_BYTES, BlockHash, TierKVError, TierUnavailableError
+from tiers.presence import PresenceTable
+from tiers.types import HASH_BYTES, BlockHash, TierUnavailableError
 
 log = logging.getLogger(__name__)
 
-Entry = tuple[int, int, int, int]  # an unpacked index record: size, checksum, slot, last access
 Written = tuple[BlockHash, int, int, int]  # a put's object in its slot: hash, size, checksum, slot
-T = TypeVar("T")
 
 
-class DiskTier(ByteBudget, Tier):
+class DiskTier(DiskRecords, ByteBudget, Tier):
     """Block objects as checksummed slots of segment files under `root`,
     indexed by lmdb.
 
@@ -95,6 +99,9 @@ class DiskTier(ByteBudget, Tier):
         self.commit_lock = threading.RLock()  # serializes index writes, slot frees, heals
         self._atimes = AccessTimes()  # given by reads, until the next index write (tiers/disk_recency.py)
         self._used = self._blocks = self._reserved = 0
+        self._fresh = FreshRecords()  # the latest puts' records, merged into lmdb many at a time (tiers/disk_fresh.py)
+        self._dirty = False  # whether this tier set the index's dirty flag (cleared at a clean close)
+        self.recovering = False  # dirty at open: the sweep reads the slots no record names (tiers/disk_sweep.py)
         self._seq = count()
         self._arena = Arena()  # read buffers, reused once callers drop what they got
         self._write_errors = WriteErrors(self.root)
@@ -105,66 +112,6 @@ class DiskTier(ByteBudget, Tier):
         self.swept = threading.Event()
         self._sweeper = threading.Thread(target=sweep, args=(self,), name="tierkv-disk-sweep", daemon=True)
         self._sweeper.start()
-
-    def _open_index(self) -> None:
-        """Totals and slot marks from the meta record; an index that is empty
-        beside segment data (new, set aside, truncated) is rebuilt from it,
-        one without a sound meta record recounted."""
-        try:
-            records, (blocks, _) = self.index.records(), self.index.totals()
-            if records == 0 and any(self.segments.ends().values()):
-                self._heal(self.index.generation, None, True)  # new, set aside or emptied beside segment data
-            else:
-                if blocks != records:
-                    log.warning("disk tier %s: index totals disagree with its %d records; recounting",
-                                self.root, records)
-                    self.index.recount()
-                self.space = FreeSlots(self.index.marks())
-        except lmdb.Error as e:
-            self._heal(self.index.generation, str(e), True)
-        self._sync_totals()
-        self.stats.add(errors=self.index.healed)
-
-    def _heal(self, generation: int, problem: str | None, opening: bool = False) -> None:
-        """Replace the index (damaged as of `generation`; None: empty) with
-        one rebuilt from the slots whose objects `check` finds whole; the
-        others are cleared (`opening`: no put is in flight)."""
-        with self.commit_lock:
-            self._check_open()
-            if self.index.generation != generation:
-                return  # another thread healed it meanwhile
-            kept, used = self.segments.records(self._check, self._atimes.tick())
-            marks = self.space.rebuilt({c: max(slots) + 1 for c, slots in used.items()}, used, opening)
-            self.index.replace(problem, kept, marks)
-            self._atimes.take()
-            with self._lock:
-                self._presence, self.presence_ready = PresenceTable(len(kept)), True
-                self._presence.add(list(kept))
-            log.warning("disk tier %s: index rebuilt from %d whole objects in its segments", self.root, len(kept))
-        self._sync_totals()
-
-    def _sync_totals(self) -> None:
-        """Take the counters from the index's totals (after each write)."""
-        blocks, used = self.index.totals()
-        with self._lock:
-            db, du = blocks - self._blocks, used - self._used
-            self._blocks, self._used = blocks, used
-        self.stats.add(blocks=db, used_bytes=du)
-
-    def _reading(self, read: Callable[[DiskIndex], T]) -> T:
-        """`read(index)`, again on the healed index if it met damage."""
-        self._check_open()
-        generation = self.index.generation
-        try:
-            return read(self.index)
-        except lmdb.Error as e:
-            self._heal(generation, str(e))
-            return read(self.index)
-
-    def records_of(self, hashes: Sequence[BlockHash]) -> list[Entry | None]:
-        """The index record of each hash (None: not held)."""
-        raw = self._reading(lambda index: index.get_many(hashes))
-        return [RECORD.unpack(v) if v is not None else None for v in raw]
 
     def location_of(self, h: BlockHash) -> tuple[Path, int, int] | None:
         """(segment file, offset, size) of block `h`'s object bytes, if held."""
@@ -188,16 +135,10 @@ class DiskTier(ByteBudget, Tier):
         """Write the objects into free slots and make them durable: (hash,
         size, checksum, slot) of each written; a slot that failed (ENOSPC
         is a full disk, anything else an error) is free again."""
-        datas = [memoryview((o if o.device.type == "cpu" else o.cpu()).numpy()) for o in objs]
-        written, files, err = self.space.write_into(self.segments, hashes, datas)
+        objs = [o if o.is_cpu else o.cpu() for o in objs]
+        written, _, err = self.space.write_into(self.segments, hashes, objs, durable=True)  # a failed sync: none
         if err is not None:
             self._write_failed(err)
-        try:
-            self.segments.sync(files)
-        except OSError as e:
-            self._write_failed(e)
-            self._free(written)
-            return []
         return written
 
     def _write_failed(self, e: OSError) -> None:
@@ -219,22 +160,19 @@ class DiskTier(ByteBudget, Tier):
             self._free(w for w, e in zip(written, held) if e is not None and e[2] != w[3])
             pack = RECORD.pack
             puts = {h: pack(size, csum, s, t) for (h, size, csum, s), t in zip(fresh, self._atimes.ticks(len(fresh)))}
-            if not self._write_index(puts, [], dict(self.space.marks)):
+            if not self._dirty:  # durable before the first record that lives only in memory
+                self._dirty = self._write_index({}, [], dirty=True)
+            if not self._dirty:
                 self.stats.add(errors=1)
                 self._free(fresh)
                 return
+            self._fresh.add(puts, dict(self.space.marks))
+            with self._lock:
+                self._presence.add(list(puts))
+            if self._fresh.due():
+                self.merge()
+            self._sync_totals()
         self.stats.add(bytes_in=sum(w[1] for w in fresh))
-
-    def _present(self, hashes: Sequence[BlockHash]) -> list[bool]:
-        return self._maybe_read(hashes, lambda hs: self._reading(lambda index: index.has_many(hs)), False)
-
-    def _maybe_read(self, hashes: Sequence[BlockHash], read: Callable[[list[BlockHash]], list[T]],
-                    default: T) -> list[T]:
-        """`read` of the hashes the presence table, once filled, says may be
-        held; `default` for the others (a put's new blocks cost no index read)."""
-        with self._lock:
-            maybe = self._presence.contains(hashes) if self.presence_ready else None
-        return read_where(maybe, hashes, read, default)
 
     def delete_many(self, hashes: Iterable[BlockHash]) -> int:
         hashes = list(dict.fromkeys(hashes))
@@ -243,7 +181,7 @@ class DiskTier(ByteBudget, Tier):
             if not gone:
                 return 0
             # Index first: the slots are free only once no record names them.
-            if not self._write_index({}, [h for h, _ in gone]):
+            if not self._unindex([h for h, _ in gone]):
                 self.stats.add(errors=1)
                 return 0
             for _, e in gone:
@@ -257,25 +195,6 @@ class DiskTier(ByteBudget, Tier):
         except OSError as err:
             log.warning("disk tier %s: clearing a freed slot failed: %s", self.root, err)
         self.space.give(e[0], e[2])
-
-    def _write_index(self, puts: dict[BlockHash, bytes], dels: list[BlockHash],
-                     marks: dict[int, int] | None = None) -> bool:
-        """One index write transaction (caller holds the commit lock): `puts`,
-        `dels`, the slot `marks` and the access times gathered since the last
-        one; a damaged index is healed and the write applied to the new one."""
-        pending = self._atimes.take()
-        generation = self.index.generation
-        try:
-            ok = self.index.write(puts, dels, pending, marks)
-        except lmdb.Error as e:
-            self._heal(generation, str(e))
-            ok = self.index.write(puts, dels, None, dict(self.space.marks))
-        if ok:
-            with self._lock:
-                self._presence.add(list(puts))
-                self._presence.discard(dels)
-        self._sync_totals()
-        return ok
 
     def get_many(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Verified copies of the objects; a damaged or missing one is a miss
@@ -343,57 +262,26 @@ class DiskTier(ByteBudget, Tier):
             if not force and self._read(h, now, torch.empty(now[0], dtype=torch.uint8)) is not None:
                 return False
             log.warning("disk tier %s: block %s failed verification, quarantined", self.root, h.hex())
-            if not self._write_index({}, [h]):
+            if not self._unindex([h]):
                 self.stats.add(errors=1)
                 return True
             self.segments.keep(e[0], e[2], self._quarantine_dir / f"{h.hex()}-{os.getpid()}-{next(self._seq)}")
             self._release(e)
         return True
 
-    def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
-        with self._lock:  # the presence table once the sweep has filled it (tiers/presence.py)
-            if self.presence_ready:
-                return self._presence.contains(hashes)
-        return self._present(hashes)
-
-    def learn(self, after: bytes) -> list[tuple[bytes, bytes]]:
-        """The sweep's walk: the next records past `after`, added to the
-        presence table and their slots marked in use (under the commit
-        lock, so no write slips between)."""
-        with self.commit_lock:
-            chunk = self._scan(after)
-            self.space.seen([v for _, v in chunk])
-            with self._lock:
-                self._presence.add([k for k, _ in chunk])
-                self.presence_ready = self.presence_ready or not chunk
-        return chunk
-
-    def keys(self) -> list[BlockHash]:
-        """Held hashes, least recently used (read or written) first (reads every record)."""
-        return [h for h, _ in sorted(self._atimes.every(self._scan), key=lambda r: r[1])]
-
-    def oldest(self, n: int, draws: int, skip: Callable[[BlockHash], bool] = lambda h: False) -> list[BlockHash]:
-        return self._atimes.oldest(n, draws, skip, self._blocks, self._scan,
-                                   lambda draw: self._reading(lambda index: index.sample(draw)))
-
-    def _scan(self, after: bytes) -> list[tuple[bytes, bytes]]:
-        return self._reading(lambda index: index.scan(after))
-
     def close(self) -> None:
         """Flush last-access times, stop the sweep, close the index and release the root."""
         with self.commit_lock:
             if self.closed:
                 return
-            if self._atimes.waiting():
-                self._write_index({}, [])
+            if self._atimes.waiting() or self._dirty or len(self._fresh):  # a clean close: every record merged
+                batch = self._fresh.batch()
+                marks = self._fresh.marks if batch else None
+                if self._write_index(batch, [], marks, None if self.recovering else False, False):
+                    self._fresh.merged(batch)
             self.closed = True
         self._sweeper.join()
         with self.commit_lock:
             self.index.close()
             self.segments.close()
             os.close(self._lock_fd)
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise TierKVError(f"disk tier {self.root} is closed")
-

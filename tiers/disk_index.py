@@ -59,10 +59,12 @@ _DAMAGED = "damaged-"
 _LONGEST_RECORD = (1 << 32) + (1 << 20)  # what a damaged 32-bit record length can reach past its page
 
 META_KEY = b"tierkv:meta"  # (records, bytes, then slot marks): not a hash's length, so never a block's key
+DIRTY_KEY = b"tierkv:dirty"  # present while slots may hold blocks no record names yet (tiers/disk_fresh.py)
 _TOTALS = struct.Struct("<QQ")
 _MARK = struct.Struct("<QQ")  # slot size, slots handed out (tiers/disk_space.py)
 # a hash's record: object size, xxh3_64 of its bytes, its slot (tiers/disk_slots.py), last access (ns since epoch)
 RECORD = struct.Struct("<QQQQ")
+MAX_OBJECT = 1 << 32  # bytes: larger than any block's object (a record saying more is damaged)
 _PLACE = 24  # a record's bytes that say where and what the object is (all but the access time)
 
 
@@ -174,6 +176,8 @@ class DiskIndex:
     def _record(self, k: bytes, v: bytes | None) -> bytes | None:
         if v is not None and (len(k), len(v)) != self._lens:
             raise lmdb.CorruptedError(f"a record of {len(k)}+{len(v)} bytes, not {self._lens}")
+        if v is not None and _size(v) > MAX_OBJECT:  # damaged bytes in range: read as a size, an allocation
+            raise lmdb.CorruptedError(f"a record of a {_size(v)}-byte object")
         return v
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
@@ -199,7 +203,14 @@ class DiskIndex:
 
     def records(self) -> int:
         """How many hash records the index holds (lmdb keeps the count)."""
-        return self._env.stat()["entries"] - (self.meta() is not None)
+        with self._env.begin() as txn:
+            others = (txn.get(META_KEY) is not None) + (txn.get(DIRTY_KEY) is not None)
+        return self._env.stat()["entries"] - others
+
+    def dirty(self) -> bool:
+        """Whether the last writer left before indexing every block it wrote (`write`'s `dirty`)."""
+        with self._env.begin() as txn:
+            return txn.get(DIRTY_KEY) is not None
 
     def scan(self, after: bytes = b"", n: int = 8192) -> list[tuple[bytes, bytes]]:
         """Up to n hash records with keys past `after`, in key order (one
@@ -250,11 +261,12 @@ class DiskIndex:
         return blocks, nbytes
 
     def write(self, puts: dict[bytes, bytes], dels: list[bytes], only_if: dict[bytes, bytes] | None = None,
-              marks: dict[int, int] | None = None) -> bool:
+              marks: dict[int, int] | None = None, dirty: bool | None = None) -> bool:
         """One write transaction: `puts`, `dels`, and each of `only_if` put
         only where the record held now has the same size, checksum and slot
         (an access time for a record no one replaced meanwhile); the meta
-        record's totals follow, and the slot `marks` (each only raised).
+        record's totals follow, and the slot `marks` (each only raised);
+        `dirty` True or False sets or clears the dirty flag (None: as it is).
         False when the map is full; lmdb.Error on damage."""
         try:
             with self._env.begin(write=True) as txn:
@@ -277,6 +289,8 @@ class DiskIndex:
                     if now is not None and now[:_PLACE] == v[:_PLACE]:
                         txn.put(k, v)
                 txn.put(META_KEY, _meta_record((blocks, nbytes), held))
+                if dirty is not None:
+                    (txn.put(DIRTY_KEY, b"1") if dirty else txn.delete(DIRTY_KEY))
             return True
         except lmdb.MapFullError as e:
             log.warning("disk index %s: full: %s", self.path, e)
@@ -294,6 +308,7 @@ class DiskIndex:
             for k, v in records.items():
                 txn.put(k, v)
             txn.put(META_KEY, _meta_record((len(records), sum(_size(v) for v in records.values())), marks))
+            txn.delete(DIRTY_KEY)
 
     def _set_aside(self, problem: str) -> None:
         """Move the damaged index out of the way (keeping the last one)."""

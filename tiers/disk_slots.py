@@ -153,29 +153,45 @@ class Segments:
                 n += os.pwrite(fd, whole[n:], off + n)
         return key
 
-    def write_many(self, hashes: Sequence[BlockHash], datas: Sequence[memoryview],
-                   slots: Sequence[int]) -> tuple[list[int | None], set[tuple[int, int]], OSError | None]:
-        """`write` of many objects into their slots, checksums computed here:
-        each object's checksum, or None where it was not written; the files
-        written to (to `sync`); the first error met (ENOSPC: full)."""
-        placed = [self._place(len(d), s) for d, s in zip(datas, slots)]
+    def write_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor], slots: Sequence[int],
+                   durable: bool = False) -> tuple[list[int | None], set[tuple[int, int]], OSError | None]:
+        """`write` of many objects (1-D uint8 CPU tensors) into their slots,
+        checksums computed here: each object's checksum, or None where it was
+        not written; the files written to (to `sync`); the first error met
+        (ENOSPC: full). With `durable` they are synced here too (in the C
+        call, one GIL release for writes and syncs); a failed sync fails them all."""
+        sizes = [o.numel() for o in objs]
+        placed = [((g[0], s // g[1]), (s % g[1]) * g[0]) for s, g in zip(slots, map(_geometry, sizes))]  # _place
         fds, err = self._grown(placed)
-        if write_slots is not None and XXH3:
-            sums, code = write_slots(fds, [off for _, off in placed], hashes, datas, XXH3)
+        if write_slots is not None and XXH3:  # the tensors' memory as such: no numpy view per block
+            refs = [(o.data_ptr(), n) for o, n in zip(objs, sizes)]
+            sums, code = write_slots(fds, [off for _, off in placed], hashes, refs, XXH3, durable and self._sync)
             err = err or (OSError(code, os.strerror(code)) if code else None)
         else:
             sums = []
-            for h, d, s, fd in zip(hashes, datas, slots, fds):
+            for h, o, s, fd in zip(hashes, objs, slots, fds):
                 sums.append(None)
                 if fd < 0:
                     continue
+                d = memoryview(o.numpy())
                 csum = xxhash.xxh3_64_intdigest(d)
                 try:
                     self.write(h, d, s, csum)
                     sums[-1] = csum
                 except OSError as e:
                     err = err or e
+            sums, err = self._synced(sums, {key for (key, _), c in zip(placed, sums) if c is not None}, durable, err)
         return sums, {key for (key, _), c in zip(placed, sums) if c is not None}, err
+
+    def _synced(self, sums: list[int | None], files: set[tuple[int, int]], durable: bool,
+                err: OSError | None) -> tuple[list[int | None], OSError | None]:
+        """`write_many`'s sync in Python (the reference for the C call's)."""
+        try:
+            if durable:
+                self.sync(files)
+            return sums, err
+        except OSError as e:
+            return [None] * len(sums), e
 
     def _grown(self, placed: list[tuple[tuple[int, int], int]]) -> tuple[list[int], OSError | None]:
         """The fd for each placed slot, its file grown past the furthest one
@@ -230,6 +246,29 @@ class Segments:
             key = parse(p.name)
             if key is not None:
                 out[key] = p.stat().st_size
+        return out
+
+    def held(self, marks: dict[int, int]) -> dict[int, int]:
+        """`marks` (slot size -> slots handed out) raised to the end of each
+        size's last segment file: past them no slot was ever written."""
+        out = dict(marks)
+        for (slot, n), length in self.ends().items():
+            out[slot] = max(out.get(slot, 0), n * per_file(slot) + length // slot)
+        return out
+
+    def found(self, slot: int, slots: Sequence[int], check: Check | None) -> list[tuple[BlockHash, int, int, int]]:
+        """(hash, size, checksum, slot) of those of `slots` (of `slot` bytes)
+        that hold a whole block (its checksum right and, given a check,
+        `check` passed); the header of any other written slot is cleared."""
+        out, per = [], per_file(slot)
+        for s in slots:
+            key, off = (slot, s // per), (s % per) * slot
+            fd = self._fd(key)
+            if os.pread(fd, 4, off) in (b"", b"\0\0\0\0"):  # never written, or cleared: the usual hole
+                continue
+            hit = self._scan_one(fd, s, slot, off, check or (lambda h, obj: True))
+            if hit is not None:
+                out.append(hit)
         return out
 
     def headed(self, h: BlockHash, size: int, csum: int, s: int, ends: dict[tuple[int, int], int]) -> bool:

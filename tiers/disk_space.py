@@ -17,6 +17,7 @@ from array import array
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from tiers.disk_slots import Segments, slot_size, slot_sizes
 
@@ -42,6 +43,8 @@ class FreeSlots:
 
     def take_many(self, sizes: Sequence[int]) -> list[int]:
         """`take` for each of `sizes`, under one hold of the lock."""
+        if sizes and sizes.count(sizes[0]) == len(sizes):
+            return self._take_alike(slot_size(sizes[0]), len(sizes))
         out = []
         with self._lock:
             for size in sizes:
@@ -54,17 +57,31 @@ class FreeSlots:
                     self.marks[c] = out[-1] + 1
         return out
 
-    def write_into(self, segments: Segments, hashes: Sequence[bytes], datas: Sequence[memoryview]
-                   ) -> tuple[list[tuple[bytes, int, int, int]], set[tuple[int, int]], OSError | None]:
-        """Write the objects into free slots of `segments`: (hash, size,
-        checksum, slot) of each written, the files to sync, the first error
-        met; the slot of one not written is free again."""
-        slots = self.take_many([len(d) for d in datas])
-        sums, files, err = segments.write_many(hashes, datas, slots)
-        for d, s, csum in zip(datas, slots, sums):
+    def _take_alike(self, c: int, n: int) -> list[int]:
+        """n slots of `c` bytes: as `take_many` gives them (free ones last freed first, then past the mark)."""
+        with self._lock:
+            free = self._free.get(c)
+            k = min(n, len(free)) if free else 0
+            out = free[len(free) - k:].tolist()[::-1] if k else []
+            if k:
+                del free[len(free) - k:]
+            mark = self.marks.get(c, 0)
+            self.marks[c] = mark + n - k
+            return out + list(range(mark, mark + n - k))
+
+    def write_into(self, segments: Segments, hashes: Sequence[bytes], objs: Sequence[torch.Tensor],
+                   durable: bool = False) -> tuple[list[tuple[bytes, int, int, int]], set[tuple[int, int]], OSError | None]:
+        """Write the objects (1-D uint8 CPU tensors) into free slots of
+        `segments` (`durable`: and sync them, `Segments.write_many`): (hash,
+        size, checksum, slot) of each written, the files to sync, the first
+        error met; the slot of one not written is free again."""
+        sizes = [o.numel() for o in objs]
+        slots = self.take_many(sizes)
+        sums, files, err = segments.write_many(hashes, objs, slots, durable)
+        for n, s, csum in zip(sizes, slots, sums):
             if csum is None:
-                self.give(len(d), s)
-        return [(h, len(d), c, s) for h, d, s, c in zip(hashes, datas, slots, sums) if c is not None], files, err
+                self.give(n, s)
+        return [(h, n, c, s) for h, n, s, c in zip(hashes, sizes, slots, sums) if c is not None], files, err
 
     def give(self, size: int, s: int) -> None:
         """Slot `s` (of an object of `size` bytes) is free again."""
@@ -89,13 +106,21 @@ class FreeSlots:
                     s = rows["slot"][slots == c]
                     seen[s[s < len(seen)].astype(np.int64)] = True
 
-    def walked(self) -> int:
+    def holes(self) -> dict[int, np.ndarray]:
+        """Per slot size, the slots below the open marks the walk has not met
+        (so far: free, or written by a put no record names yet)."""
+        with self._lock:
+            return {c: np.flatnonzero(~seen) for c, seen in (self._seen or {}).items()}
+
+    def walked(self, kept: dict[int, list[int]] | None = None) -> int:
         """The walk is over: free the slots below the open marks it did not
-        meet. Returns how many."""
+        meet, but those `kept` (indexed since). Returns how many were freed."""
         with self._lock:
             if self._seen is None:
                 return 0
             n = 0
+            for c, s in (kept or {}).items():
+                self._seen[c][np.asarray(s, dtype=np.int64)] = True
             for c, seen in self._seen.items():
                 holes = np.flatnonzero(~seen)[::-1]
                 self._free.setdefault(c, array("Q")).extend(holes.astype(np.uint64).tolist())

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Protocol, Sequence
 
+import numpy as np
+
 from tiers.disk_index import RECORD, walk
 from tiers.disk_io import remove_old_layouts
 from tiers.disk_slots import Segments
@@ -34,9 +36,12 @@ class Swept(Protocol):
     swept: threading.Event  # set when the sweep ends
     segments: Segments
     space: FreeSlots
+    recovering: bool  # the index was dirty at open (tiers/disk_fresh.py)
     def learn(self, after: bytes) -> list[tuple[bytes, bytes]]: ...
 
     def recheck(self, hashes: Sequence[BlockHash]) -> list[BlockHash]: ...
+
+    def recover(self, holes: dict[int, np.ndarray]) -> dict[int, list[int]]: ...
 _YIELD_S = 0.001  # between batches: a background pass lets requests have the interpreter
 
 
@@ -45,7 +50,7 @@ def sweep(tier: Swept) -> None:
     try:
         for chunk in walk(tier.learn):  # stops (raises) once the tier closes
             _records(tier, chunk)
-        freed = tier.space.walked()
+        freed = tier.space.walked(tier.recover(tier.space.holes()) if tier.recovering else None)
         if freed:
             log.info("disk tier %s: %d free slots found below the marks", tier.root, freed)
         remove_old_layouts(tier.root)

@@ -15,9 +15,9 @@ import xxhash
 import xxhash._xxhash
 
 try:  # batched host copies without per-copy interpreter overhead (setup.py builds it)
-    from tiers._fastcopy import copy_hash_many, copy_many
+    from tiers._fastcopy import copy_hash_many, copy_many, hash_rows
 except ImportError:  # pragma: no cover - no C compiler where installed
-    copy_many = copy_hash_many = None
+    copy_many = copy_hash_many = hash_rows = None
 
 FUSE_BYTES = 1 << 20  # copied, then hashed while still in a core's L2 (1 MiB on these machines)
 
@@ -56,6 +56,16 @@ def copy_arrays(dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray]) -> None:
     in_halves(lambda a, b: copy_many(dsts[a:b], srcs[a:b]) or [], [len(s) for s in srcs])
 
 
+def copy_spans(dsts: Sequence[tuple[int, int]], srcs: Sequence[tuple[int, int]]) -> bool:
+    """`copy_arrays` for (address, length) spans of memory the caller keeps
+    alive (a pool's slots, CPU tensors): no numpy view per block, a
+    microsecond each at small blocks. False (nothing copied) without the C module."""
+    if copy_many is None:
+        return False
+    in_halves(lambda a, b: copy_many(dsts[a:b], srcs[a:b]) or [], [n for _, n in srcs])
+    return True
+
+
 def host_bytes(t: torch.Tensor) -> bool:
     """A contiguous uint8 CPU tensor: its numpy view shares the bytes."""
     return t.device.type == "cpu" and t.dtype == torch.uint8 and t.is_contiguous()
@@ -86,6 +96,15 @@ def copy_hashed(dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray], skip: in
                 state.update(d[max(off, skip):end])
         sums.append(state.intdigest())
     return sums
+
+
+def row_sums(rows: np.ndarray, skip: int = 0) -> list[int]:
+    """The xxh3_64 of each row of a C-contiguous 2-D uint8 array from byte
+    `skip` on: one C call where built; the loop is the reference."""
+    assert rows.ndim == 2 and rows.dtype == np.uint8 and rows.flags.c_contiguous
+    if hash_rows is not None and XXH3:
+        return hash_rows(rows, skip, XXH3)
+    return [xxhash.xxh3_64_intdigest(row[skip:]) for row in rows]
 
 
 PARALLEL_BYTES = 8 << 20  # a batch this large is copied by two threads where two cores are ours

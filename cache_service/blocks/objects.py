@@ -30,7 +30,7 @@ import torch
 import xxhash
 
 from cache_service.blocks.keys import KV_DTYPES, Namespace
-from tiers.host_copy import copy_hashed, in_halves
+from tiers.host_copy import copy_hashed, in_halves, row_sums
 from tiers.types import BlockHash, CorruptBlockError
 
 
@@ -196,8 +196,7 @@ def encode_many(ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[t
     if not _stack_into(rows, ns, payloads):
         encode_rows(rows, ns, hashes, payloads)
         return list(rows.unbind(0))
-    table = rows.numpy()
-    rehead(rows, ns, hashes, [xxhash.xxh3_64_intdigest(table[i, HEADER_SIZE:]) for i in range(len(hashes))])
+    rehead(rows, ns, hashes, row_sums(rows.numpy(), HEADER_SIZE))
     return list(rows.unbind(0))
 
 
@@ -213,12 +212,16 @@ def _stack_into(rows: torch.Tensor, ns: Namespace, payloads: Sequence[torch.Tens
     if not payloads or ns.payload_bytes > STACKED_BYTES:
         return False
     first = payloads[0]
+    dtype = first.dtype
     if first.numel() * first.element_size() != ns.payload_bytes or first.dim() == 0 or \
-            not all(p.device.type == "cpu" and p.dtype == first.dtype and p.shape == first.shape for p in payloads):
+            first.device.type != "cpu" or not all(p.dtype is dtype for p in payloads):
         return False
-    out = rows[:, HEADER_SIZE:].view(first.dtype).view(len(payloads), *first.shape)
-    with torch.no_grad():
-        torch.stack(list(payloads), out=out)
+    out = rows[:, HEADER_SIZE:].view(dtype).view(len(payloads), *first.shape)
+    try:  # torch checks the shapes and devices (one dtype: no casting into `out`)
+        with torch.no_grad():
+            torch.stack(list(payloads), out=out)
+    except RuntimeError:
+        return False  # encode_rows copies them one by one, or says which one is wrong
     return True
 
 

@@ -6,8 +6,9 @@ Metrics (one registry per daemon, served on ``--metrics-port``):
   promoted, demoted, dropped, bypassed, deferred, lost, journal_refused, bytes_in,
   bytes_out, errors, read from ``TieredStore.stats()`` at scrape time (a custom
   collector, so the data path never touches Prometheus objects for these);
-- ``tierkv_tier_{blocks,used_bytes,capacity_bytes,queue_depth,journal_blocks,journal_bytes}{tier}``
-  gauges (the journal's: the S3 tier's uploads not yet done, cache_service/store/journal.py);
+- ``tierkv_tier_{blocks,used_bytes,capacity_bytes,queue_depth,journal_blocks,journal_bytes,recovering}{tier}``
+  gauges (the journal's: the S3 tier's uploads not yet done, cache_service/store/journal.py;
+  recovering: 1 while the disk tier indexes again what it wrote before an unclean stop, tiers/disk_fresh.py);
 - ``tierkv_rpc_seconds{method}`` latency histogram, and
   ``tierkv_rpc_total{method,tenant,code}``;
 - ``tierkv_tenant_bytes_total{tenant,direction}``: payload bytes loaded/stored;
@@ -28,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-_GAUGES = ("blocks", "used_bytes", "capacity_bytes", "queue_depth", "journal_blocks", "journal_bytes")
+_GAUGES = ("blocks", "used_bytes", "capacity_bytes", "queue_depth", "journal_blocks", "journal_bytes", "recovering")
 ANONYMOUS = "-"  # tenant label with auth off
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

@@ -42,9 +42,7 @@ class Placement:
         with self.state.locks[i]:
             todo = [it for it, ok in zip(items, self._holds(i, [h for h, _ in items])) if not ok]
             ok = self._put_locked(i, todo, victims)
-            for (h, _), good in zip(todo, ok):
-                if good:
-                    pol.insert(h)
+            pol.insert_many([h for (h, _), good in zip(todo, ok) if good])
         self.state.publish(i, [h for (h, _), good in zip(todo, ok) if good])
         held = {h for h, _ in items} - {h for (h, _), good in zip(todo, ok) if not good}
         self.evicted(i, victims)

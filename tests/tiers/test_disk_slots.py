@@ -102,10 +102,11 @@ def test_a_batch_of_slot_writes_in_one_call_writes_what_the_python_loop_writes(t
     if not in_c:
         monkeypatch.setattr(disk_slots, "write_slots", None)
     hs = same_size_keys(64)[:5]
-    datas = [memoryview(block_for(h).numpy()) for h in hs]
+    objs = [block_for(h) for h in hs]
+    datas = [memoryview(o.numpy()) for o in objs]
     # a batch of five into scattered slots, checksums computed on the way
     segs = Segments(tmp_path / "batch", sync=True)
-    sums, files, err = segs.write_many(hs, datas, [4, 0, 9, 1, 2])
+    sums, files, err = segs.write_many(hs, objs, [4, 0, 9, 1, 2])
     assert err is None and sums == [xxhash.xxh3_64_intdigest(d) for d in datas] and len(files) == 1
     segs.sync(files)
     # byte for byte the files that one `write` per object makes
@@ -128,8 +129,8 @@ def test_a_batch_whose_file_cannot_grow_writes_nothing_there_and_says_why(tmp_pa
         monkeypatch.setattr(disk_slots, "write_slots", None)
     segs = Segments(tmp_path, sync=True)
     hs = same_size_keys(64)[:3]
-    datas = [memoryview(block_for(h).numpy()) for h in hs]
-    small = disk_slots.slot_size(len(datas[0]))
+    datas = [block_for(h) for h in hs]
+    small = disk_slots.slot_size(datas[0].numel())
 
     # the disk is full past the first segment's first slot
     def allocate_one_slot(fd, off, length):
@@ -161,3 +162,26 @@ def test_a_failed_slot_write_in_the_c_batch_is_reported_and_the_others_still_lan
     assert os.pread(rw, 4, far) == b"TKVS" and os.pread(rw, len(data), far + 32) == bytes(data)
     os.close(ro)
     os.close(rw)
+
+
+def test_a_batch_whose_sync_fails_fails_as_a_whole_in_c_and_in_python(tmp_path, monkeypatch):
+    from tiers.host_copy import XXH3
+    h = same_size_keys(64)[0]
+    data = memoryview(block_for(h).numpy())
+    # /dev/null takes the writes and refuses the sync (EINVAL), after a file that syncs
+    rw, null = os.open(tmp_path / "rw", os.O_RDWR | os.O_CREAT), os.open("/dev/null", os.O_WRONLY)
+    sums, code = disk_slots.write_slots([rw, null], [0, 0], [h] * 2, [data] * 2, XXH3, True)
+    # nothing of the batch is durable: every slot fails with the sync's errno
+    assert sums == [None, None] and code == errno.EINVAL
+    # the same batch without the sync writes both
+    sums, code = disk_slots.write_slots([rw, null], [0, 0], [h] * 2, [data] * 2, XXH3, False)
+    assert code == 0 and None not in sums
+    os.close(rw)
+    os.close(null)
+    # the Python reference fails the whole batch alike
+    segs = Segments(tmp_path / "py", sync=True)
+    monkeypatch.setattr(disk_slots, "write_slots", None)
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "sync failed")))
+    sums, _, err = segs.write_many([h], [block_for(h)], [0], durable=True)
+    assert sums == [None] and err.errno == errno.EIO
+    segs.close()

@@ -25,7 +25,7 @@ pinned / unpinned blocks, not the whole resident set.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Sequence
 
 from tiers.types import BlockHash, ConfigError
 
@@ -72,6 +72,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def insert(self, h: BlockHash) -> None:
         """Block ``h`` is now resident (new, or re-inserted after leaving)."""
+
+    def insert_many(self, hashes: Sequence[BlockHash]) -> None:
+        """`insert` of each, in order (a policy may do a batch in one step)."""
+        for h in hashes:
+            self.insert(h)
 
     @abstractmethod
     def touch(self, h: BlockHash) -> None:

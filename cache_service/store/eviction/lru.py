@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Sequence
 
 from cache_service.store.eviction.base import EvictionPolicy, PinnedFn
 from tiers.types import BlockHash
@@ -24,6 +25,13 @@ class LRUPolicy(EvictionPolicy):
     def insert(self, h: BlockHash) -> None:
         self._order[h] = None
         self._order.move_to_end(h)
+        self._note_size()
+
+    def insert_many(self, hashes: Sequence[BlockHash]) -> None:
+        order = self._order
+        for h in hashes:
+            order[h] = None
+            order.move_to_end(h)
         self._note_size()
 
     def touch(self, h: BlockHash) -> None:

@@ -1,0 +1,100 @@
+"""The disk tier's fresh records: index records of its latest puts, kept in
+memory until they are merged into lmdb many at a time (tiers/disk.py).
+
+A record written into lmdb one put batch at a time costs a commit per
+batch, and each of its random keys dirties a page of the B-tree: 11 us per
+block at 20k blocks and 36 us at 1M, 3-10x the raw write of a small
+block's slot (docs/benchmarks.md, #19). Fresh records are merged
+`MERGE_RECORDS` at a time, in one transaction instead.
+
+Durability does not wait for the merge: a put's slots are durable (each
+begins with a header naming its block, size and checksum) before its
+records are fresh, and the index carries a dirty flag, set before the
+first such put and cleared by the merge at a clean close. An index found
+dirty at open was left with slots no record may name: the tier then hands
+out slots only past the end of its segment files until its sweep has read
+the slots no record names (tiers/disk_sweep.py) and indexed those that
+hold a whole block again.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+from tiers.disk_index import RECORD
+from tiers.types import BlockHash
+
+MERGE_RECORDS = 65536  # fresh records merged in one transaction (~10 MiB of memory at most)
+
+
+class FreshRecords:
+    """Records not yet in lmdb, with their totals. Thread-safe; the tier
+    changes them under its commit lock and removes merged ones only once
+    their transaction has committed, so a reader that misses one here finds
+    it in lmdb."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._recs: dict[BlockHash, bytes] = {}
+        self._bytes = 0
+        self.marks: dict[int, int] = {}  # the slot marks as of the latest `add`, merged with the records
+
+    def __len__(self) -> int:
+        return len(self._recs)
+
+    def get_many(self, hashes: Sequence[BlockHash]) -> list[bytes | None]:
+        """The fresh record of each hash (None: not fresh)."""
+        if not self._recs:
+            return [None] * len(hashes)
+        with self._lock:
+            return list(map(self._recs.get, hashes))
+
+    def add(self, recs: dict[BlockHash, bytes], marks: dict[int, int]) -> None:
+        """New records (of hashes no record names yet), and the slot marks now."""
+        with self._lock:
+            self.marks = marks
+            self._recs.update(recs)
+            self._bytes += sum(_size(v) for v in recs.values())
+
+    def pop(self, hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, bytes]]:
+        """Remove the fresh records of these hashes (deleted); those there were."""
+        out = []
+        with self._lock:
+            for h in hashes:
+                v = self._recs.pop(h, None)
+                if v is not None:
+                    self._bytes -= _size(v)
+                    out.append((h, v))
+        return out
+
+    def due(self) -> bool:
+        """Whether enough wait for a merge."""
+        return len(self._recs) >= MERGE_RECORDS
+
+    def batch(self) -> dict[BlockHash, bytes]:
+        """Every fresh record (in the order put: lmdb fills pages fuller than with sorted keys, split in halves)."""
+        with self._lock:
+            return dict(self._recs)
+
+    def merged(self, recs: dict[BlockHash, bytes]) -> None:
+        """`recs` (a `batch`) are in lmdb now: drop them here."""
+        with self._lock:
+            for h, v in recs.items():
+                if self._recs.get(h) == v:
+                    del self._recs[h]
+                    self._bytes -= _size(v)
+
+    def clear(self) -> None:
+        """Forget them all (the index was rebuilt from the slots, which hold them)."""
+        with self._lock:
+            self._recs.clear()
+            self._bytes = 0
+
+    def totals(self) -> tuple[int, int]:
+        """(records, bytes of the objects they describe)."""
+        with self._lock:
+            return len(self._recs), self._bytes
+
+
+def _size(record: bytes) -> int:
+    return RECORD.unpack_from(record)[0]
