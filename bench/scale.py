@@ -127,6 +127,7 @@ def probe(root: Path, n: int, scratch: Path) -> dict:
         assert got == len(hs), f"only {got} of 256 held blocks found"
     lat.sort()
     anon = rss_bytes("RssAnon:") - anon_before
+    index_bytes = bytes_in_use(root / "index.lmdb")  # before the store rates below add their blocks
     ours, raw = store_rate(store, n, scratch)
     real, real_raw = store_rate(store, n, scratch, 128, 2, SMOLLM2, 2 * 10**9)  # a real model's blocks: the device's share
     obj = encode(NS, key(0), payload(0)).numpy().tobytes()
@@ -137,7 +138,7 @@ def probe(root: Path, n: int, scratch: Path) -> dict:
     # filled the presence table (lmdb's mapped pages are page cache, shared and reclaimable)
     return {"blocks": n, "reopen_s": reopen, "sweep_s": sweep, "rss_bytes_per_block": max(rss, anon) / n,
             "rss_open_bytes_per_block": rss / n, "anon_rss_bytes_per_block_after_sweep": anon / n, "raw_files_blocks_s": files,
-            "index_bytes_per_block": bytes_in_use(root / "index.lmdb") / n,
+            "index_bytes_per_block": index_bytes / n,
             "lookup256_us_p50": lat[len(lat) // 2], "lookup256_us_p99": lat[int(len(lat) * 0.99)],
             "store_blocks_s": ours, "raw_blocks_s": raw, "store_rate_vs_raw": ours / raw,  # raw: segment writes
             "smollm2_store_blocks_s": real, "smollm2_store_rate_vs_raw": real / real_raw}

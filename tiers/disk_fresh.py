@@ -5,7 +5,7 @@ A record written into lmdb one put batch at a time costs a commit per
 batch, and each of its random keys dirties a page of the B-tree: 11 us per
 block at 20k blocks and 36 us at 1M, 3-10x the raw write of a small
 block's slot (docs/benchmarks.md, #19). Fresh records are merged
-`MERGE_RECORDS` at a time, in one transaction instead.
+`MERGE_RECORDS` at a time instead, in a few large transactions.
 
 Durability does not wait for the merge: a put's slots are durable (each
 begins with a header naming its block, size and checksum) before its
@@ -24,7 +24,10 @@ from typing import Sequence
 from tiers.disk_index import RECORD
 from tiers.types import BlockHash
 
-MERGE_RECORDS = 65536  # fresh records merged in one transaction (~10 MiB of memory at most)
+MERGE_RECORDS = 65536  # fresh records merged at once (~10 MiB of memory at most)
+# per merge transaction: lmdb keeps the pages a transaction changes in memory until it commits, a 4 KiB page
+# per new random key once the tree is large (65k keys: ~250 MiB at 3M blocks; 8,192: ~32 MiB)
+MERGE_TXN = 8192
 
 
 class FreshRecords:

@@ -20,7 +20,7 @@ import lmdb
 import numpy as np
 
 from tiers.base import TierStats
-from tiers.disk_fresh import FreshRecords
+from tiers.disk_fresh import MERGE_TXN, FreshRecords
 from tiers.disk_index import RECORD, DiskIndex
 from tiers.disk_recency import EXACT_LRU, AccessTimes
 from tiers.disk_slots import Check, Segments
@@ -129,16 +129,16 @@ class DiskRecords:
         return [RECORD.unpack(v) if (v := f if f is not None else next(raw)) is not None else None for f in fresh]
 
     def merge(self) -> bool:
-        """Write the fresh records into lmdb in one transaction (a full map
-        keeps them fresh, counted as an error)."""
+        """Write the fresh records into lmdb, `MERGE_TXN` per transaction (a
+        full map keeps the rest fresh, counted as an error)."""
         with self.commit_lock:
-            batch = self._fresh.batch()
-            if not batch or self.closed:
-                return True
-            if not self._write_index(batch, [], self._fresh.marks, present=False):
-                self.stats.add(errors=1)
-                return False
-            self._fresh.merged(batch)
+            batch = list(self._fresh.batch().items())
+            for a in range(0, len(batch) if not self.closed else 0, MERGE_TXN):
+                part = dict(batch[a:a + MERGE_TXN])
+                if not self._write_index(part, [], self._fresh.marks, present=False):
+                    self.stats.add(errors=1)
+                    return False
+                self._fresh.merged(part)
             self._sync_totals()
             return True
 
