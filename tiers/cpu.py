@@ -137,28 +137,29 @@ class SlotPool(SlotTier):
             self._check_open()
             if self._pool is None and objs:
                 self._allocate(objs[0].numel())
-            for obj in objs:  # all or nothing: refuse the batch before storing any of it
-                self.footprint(obj.numel())
+            sizes = [obj.numel() for obj in objs]
+            if sizes:  # all or nothing: refuse the batch before storing any of it
+                self.footprint(max(sizes))
             todo = self._reserve(hashes)
             rows = self._host_rows if all(o.is_cpu for o in objs) else None
             copies = [(self._slot(slot, objs[i].numel()), objs[i]) for i, slot in todo] if rows is None else []
         try:
             if rows is None:
                 copy_all(copies)
-            elif not self._copy_spans(rows, objs, todo):  # host to host: numpy views off the pool (not torch's: ~2 us)
+            elif not self._copy_spans(rows, objs, sizes, todo):  # host to host: numpy views off the pool (not torch's: ~2 us)
                 copy_arrays([rows[slot, :objs[i].numel()] for i, slot in todo], [objs[i].numpy() for i, _ in todo])
         except BaseException:
             with self._lock:
                 self._free.extend(slot for _, slot in todo)
             raise
-        self._publish(hashes, [obj.numel() for obj in objs], todo)
+        self._publish(hashes, sizes, todo)
         return self.contains_many(hashes)
 
     @staticmethod
-    def _copy_spans(rows, objs: Sequence[torch.Tensor], todo: list[tuple[int, int]]) -> bool:
-        """Host objects into their slots of the host pool `rows` by address (`copy_spans`)."""
+    def _copy_spans(rows, objs: Sequence[torch.Tensor], sizes: list[int], todo: list[tuple[int, int]]) -> bool:
+        """Host objects (of `sizes` bytes) into their slots of the host pool `rows` by address (`copy_spans`)."""
         base, stride = rows.ctypes.data, rows.strides[0]
-        srcs = [(objs[i].data_ptr(), objs[i].numel()) for i, _ in todo]
+        srcs = [(objs[i].data_ptr(), sizes[i]) for i, _ in todo]
         return copy_spans([(base + slot * stride, n) for (_, slot), (_, n) in zip(todo, srcs)], srcs)
 
     def _reserve(self, hashes: Sequence[BlockHash]) -> list[tuple[int, int]]:

@@ -166,13 +166,14 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
                 self.stats.add(errors=1)
                 self._free(fresh)
                 return
-            self._fresh.add(puts, dict(self.space.marks))
+            nbytes = sum(w[1] for w in fresh)
+            self._fresh.add(puts, nbytes, dict(self.space.marks))
             with self._lock:
                 self._presence.add(list(puts))
             if self._fresh.due():
                 self.merge()
             self._sync_totals()
-        self.stats.add(bytes_in=sum(w[1] for w in fresh))
+        self.stats.add(bytes_in=nbytes)
 
     def delete_many(self, hashes: Iterable[BlockHash]) -> int:
         hashes = list(dict.fromkeys(hashes))

@@ -52,12 +52,12 @@ class FreshRecords:
         with self._lock:
             return list(map(self._recs.get, hashes))
 
-    def add(self, recs: dict[BlockHash, bytes], marks: dict[int, int]) -> None:
-        """New records (of hashes no record names yet), and the slot marks now."""
+    def add(self, recs: dict[BlockHash, bytes], nbytes: int, marks: dict[int, int]) -> None:
+        """New records (of hashes no record names yet) of objects of `nbytes` in all, and the slot marks now."""
         with self._lock:
             self.marks = marks
             self._recs.update(recs)
-            self._bytes += sum(_size(v) for v in recs.values())
+            self._bytes += nbytes
 
     def pop(self, hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, bytes]]:
         """Remove the fresh records of these hashes (deleted); those there were."""

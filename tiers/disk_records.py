@@ -211,12 +211,16 @@ class DiskRecords:
                 found = self.segments.found(c, slots[a:a + 4096].tolist(), self._check)
                 with self.commit_lock:
                     self._check_open()
-                    held = self.records_of([f[0] for f in found])
-                    for h, size, csum, s in (f for f, e in zip(found, held) if e is not None):
-                        self.segments.clear(size, s)  # a later copy stands
-                    new = [f for f, e in zip(found, held) if e is None]
+                    held, firsts = self.records_of([f[0] for f in found]), {}
+                    for f, e in zip(found, held):
+                        if e is None and f[0] not in firsts:
+                            firsts[f[0]] = f
+                        else:  # another copy stands
+                            self.segments.clear(f[1], f[3])
+                    new = list(firsts.values())
+                    # the marks too: they are past these slots only in memory (raised to the files' ends at open)
                     if new and self._write_index({h: RECORD.pack(size, csum, s, t) for (h, size, csum, s), t in
-                                                  zip(new, self._atimes.ticks(len(new)))}, []):
+                                                  zip(new, self._atimes.ticks(len(new)))}, [], dict(self.space.marks)):
                         kept.setdefault(c, []).extend(f[3] for f in new)
         log.info("disk tier %s: %d blocks written before an unclean stop indexed again", self.root,
                  sum(map(len, kept.values())))

@@ -169,11 +169,23 @@ class Placement:
                 picked.append(v)
             if not picked:
                 break
-            objs = tier.get_many(picked) if i + 1 < len(self.state.tiers) else [None] * len(picked)
+            objs = self._victim_objects(i, picked)
             self._journal_victims(i + 1, picked, objs)
             tier.delete_many(picked)
             self.state.publish(i, picked, present=False)
             victims.extend(zip(picked, objs))  # counted as evictions even with nowhere to go
+
+    def _victim_objects(self, i: int, picked: list[BlockHash]) -> list[torch.Tensor | None]:
+        """The objects of tier i's victims that must go down: those the tier
+        below does not hold already (a write-through copy, the usual case,
+        is not read out again); None for the others, and for all where there
+        is no tier below."""
+        if i + 1 >= len(self.state.tiers):
+            return [None] * len(picked)
+        below = self.state.tiers[i + 1].contains_many(picked)
+        fetch = [h for h, ok in zip(picked, below) if not ok]
+        got = dict(zip(fetch, self.state.tiers[i].get_many(fetch))) if fetch else {}
+        return [got.get(h) for h in picked]
 
     def _journal_victims(self, i: int, picked: Sequence[BlockHash], objs: Sequence[torch.Tensor | None]) -> None:
         """Before victims leave the tier above tier i: those tier i (a
