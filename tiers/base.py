@@ -151,19 +151,23 @@ class ByteBudget:
         assert len(hashes) == len(objs), "one object per hash"
         assert all(o.dtype == torch.uint8 and o.dim() == 1 and o.is_contiguous() for o in objs), \
             "objects are 1-D contiguous uint8 tensors"
-        sizes = [self.footprint(obj.numel()) for obj in objs]
+        sizes = [obj.numel() for obj in objs]
+        if sizes:
+            self.footprint(max(sizes))  # one that can never fit refuses the batch
         todo: list[int] = []
         held = self._present(hashes)  # racy, and so are puts: the tier's commit checks again
         with self._lock:
             self._check_open()
             seen: set[BlockHash] = set()
+            room = self.capacity_bytes - self._used - self._reserved
             for i, (h, size) in enumerate(zip(hashes, sizes)):
                 if h in seen or held[i]:
                     continue
                 seen.add(h)
-                if self._used + self._reserved + size <= self.capacity_bytes:
-                    self._reserved += size
+                if size <= room:
+                    room -= size
                     todo.append(i)
+            self._reserved = self.capacity_bytes - self._used - room
         return todo
 
 

@@ -197,8 +197,12 @@ class Segments:
         """The fd for each placed slot, its file grown past the furthest one
         (-1 where that failed: the first error is returned)."""
         ends: dict[tuple[int, int], int] = {}
-        for key, off in placed:
-            ends[key] = max(ends.get(key, 0), off + key[0])
+        first = placed[0][0] if placed else None
+        if all(key == first for key, _ in placed):  # the usual batch: one file
+            ends = {first: max(off for _, off in placed) + first[0]} if placed else {}
+        else:
+            for key, off in placed:
+                ends[key] = max(ends.get(key, 0), off + key[0])
         fds, err = {}, None
         for key, end in ends.items():
             try:
