@@ -1,9 +1,10 @@
 """The embedded store at NVMe scale: how opening, memory, lookups and stores
 grow with the blocks its disk tier holds (issue #19).
 
-For each size N of the curve, the disk tier is filled up to N small block
-objects (1,152 bytes: a 1-layer, 1-head, dim-16 namespace; filled with
-fsync off, in batches), then a fresh process measures, on the embedded
+For each size N of the curve, the disk tier is filled until it holds N
+block objects (small ones, 1,152 bytes: a 1-layer, 1-head, dim-16
+namespace, filled with fsync off, in batches; the blocks the earlier
+points' store rates added count), then a fresh process measures, on the embedded
 store (`open_store`, cpu -> disk, as `local://` builds it):
 
 - reopen: seconds from `open_store` to a store that answers, the median
@@ -98,8 +99,9 @@ def rss_bytes(field: str = "VmRSS:") -> int:
     raise RuntimeError(f"no {field}")
 
 
-def probe(root: Path, n: int, scratch: Path) -> dict:
-    """Run in a fresh process: the figures of a store holding n blocks."""
+def probe(root: Path, n: int, ids: int, scratch: Path) -> dict:
+    """Run in a fresh process: the figures of a store holding n blocks, of
+    which the fill's are ids 0..ids-1 (the rest earlier probes stored)."""
     from cache_service.factory import open_store
     from tiers.disk_index import bytes_in_use
 
@@ -120,7 +122,7 @@ def probe(root: Path, n: int, scratch: Path) -> dict:
     sweep = time.perf_counter() - t0
     lat = []
     for r in range(300):
-        hs = [key((r * 7919 + j * 104729) % n) for j in range(256)]
+        hs = [key((r * 7919 + j * 104729) % ids) for j in range(256)]
         t = time.perf_counter()
         got = store.lookup(hs)
         lat.append((time.perf_counter() - t) * 1e6)
@@ -136,7 +138,7 @@ def probe(root: Path, n: int, scratch: Path) -> dict:
     shutil.rmtree(root.parent / "empty", ignore_errors=True)
     # the figure: the larger of RSS growth over the open and the anonymous memory kept once the sweep has
     # filled the presence table (lmdb's mapped pages are page cache, shared and reclaimable)
-    return {"blocks": n, "reopen_s": reopen, "sweep_s": sweep, "rss_bytes_per_block": max(rss, anon) / n,
+    return {"blocks": n, "stored": 2 * MERGE_RECORDS + 128, "reopen_s": reopen, "sweep_s": sweep, "rss_bytes_per_block": max(rss, anon) / n,
             "rss_open_bytes_per_block": rss / n, "anon_rss_bytes_per_block_after_sweep": anon / n, "raw_files_blocks_s": files,
             "index_bytes_per_block": index_bytes / n,
             "lookup256_us_p50": lat[len(lat) // 2], "lookup256_us_p99": lat[int(len(lat) * 0.99)],
@@ -235,9 +237,9 @@ def layouts(scratch: Path, quick: bool) -> list[dict]:
     return rows
 
 
-def measure(root: Path, n: int) -> dict:
+def measure(root: Path, n: int, ids: int) -> dict:
     """`probe` in a fresh process (what a restarted engine or daemon pays)."""
-    run = subprocess.run([sys.executable, __file__, "--probe", str(root), str(n)], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, __file__, "--probe", str(root), str(n), str(ids)], capture_output=True, text=True,
                          timeout=3600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if run.returncode != 0:
         raise RuntimeError(f"probe failed:\n{run.stderr[-3000:]}")
@@ -275,20 +277,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="100k blocks only (under 60 s)")
     ap.add_argument("--dir", default=None, help="a directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--plot", default=None, help="write the curve as a PNG here (needs matplotlib)")
-    ap.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--probe", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.probe:
         root = Path(args.probe[0])
-        print(json.dumps(probe(root, int(args.probe[1]), root.parent / "raw-scratch")))
+        print(json.dumps(probe(root, int(args.probe[1]), int(args.probe[2]), root.parent / "raw-scratch")))
         return
     sizes = [100_000] if args.quick else [300_000, 1_000_000, 3_000_000]
     base = Path(tempfile.mkdtemp(prefix="tierkv-scale-", dir=args.dir))
-    curve, held = [], 0
+    curve, ids, stored = [], 0, 0  # the fill's ids so far; blocks the probes' store rates added
     try:
-        for n in sizes:
-            fill_s = fill(base / "store", held, n)
-            held = n
-            row = measure(base / "store", n) | {"fill_s": fill_s}
+        for n in sizes:  # filled up to n blocks held in all (the table sizes of the presence table are powers of 2)
+            fill_s = fill(base / "store", ids, n - stored)
+            ids = n - stored
+            row = measure(base / "store", n, ids) | {"fill_s": fill_s}
+            stored += row["stored"]
             curve.append(row)
             print(f"{n:>9,} blocks  reopen {row['reopen_s'] * 1e3:.1f} ms  RSS over open {row['rss_open_bytes_per_block']:.0f} "
                   f"B/block  "
