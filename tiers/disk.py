@@ -154,14 +154,15 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
         if not written:
             return
         with self.commit_lock:
+            self._check_open()  # a put that lost a race with close(): its slots stay unindexed, free at the next open
             held = self._maybe_read([w[0] for w in written], self.records_of, None)
             fresh = [w for w, e in zip(written, held) if e is None]
             # beaten by a racing put (or indexed by a heal that found this very slot: kept)
             self._free(w for w, e in zip(written, held) if e is not None and e[2] != w[3])
             pack = RECORD.pack
             puts = {h: pack(size, csum, s, t) for (h, size, csum, s), t in zip(fresh, self._atimes.ticks(len(fresh)))}
-            if not self._dirty:  # durable before the first record that lives only in memory
-                self._dirty = self._write_index({}, [], dirty=True)
+            if not self._dirty:  # durable before the first record that lives only in memory (meta page too)
+                self._dirty = self._write_index({}, [], dirty=True) and (self.index.sync() or True)
             if not self._dirty:
                 self.stats.add(errors=1)
                 self._free(fresh)

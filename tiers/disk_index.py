@@ -323,6 +323,12 @@ class DiskIndex:
         self.healed += 1
         log.warning("disk index %s is damaged (%s): moved to %s; rebuilding it", self.path, problem, aside.name)
 
+    def sync(self) -> None:
+        """Make every commit so far durable, the meta page too (commits leave
+        it to the next one: `metasync` off), unless the index is not synced."""
+        if self._sync:
+            self._env.sync(True)
+
     def close(self) -> None:
         for env in [*self._old, self._env]:
             env.close()

@@ -206,27 +206,41 @@ class DiskRecords:
         `holes` (slots per slot size no record names) that no record names
         elsewhere; the slots now indexed, per slot size (the others are free)."""
         kept: dict[int, list[int]] = {}
+        failed = False
         for c, slots in holes.items():
             for a in range(0, len(slots), 4096):
                 found = self.segments.found(c, slots[a:a + 4096].tolist(), self._check)
                 with self.commit_lock:
                     self._check_open()
-                    held, firsts = self.records_of([f[0] for f in found]), {}
-                    for f, e in zip(found, held):
-                        if e is None and f[0] not in firsts:
-                            firsts[f[0]] = f
-                        else:  # another copy stands
-                            self.segments.clear(f[1], f[3])
-                    new = list(firsts.values())
-                    # the marks too: they are past these slots only in memory (raised to the files' ends at open)
-                    if new and self._write_index({h: RECORD.pack(size, csum, s, t) for (h, size, csum, s), t in
-                                                  zip(new, self._atimes.ticks(len(new)))}, [], dict(self.space.marks)):
-                        kept.setdefault(c, []).extend(f[3] for f in new)
+                    if not self.recovering:  # a heal meanwhile rebuilt the index from every slot
+                        return kept
+                    failed |= not self._recover_some(c, found, kept)
         log.info("disk tier %s: %d blocks written before an unclean stop indexed again", self.root,
                  sum(map(len, kept.values())))
-        self._dirty = True  # a clean close clears the flag
-        self._recovered()
+        if not failed:  # else the flag stays: the next open looks again
+            self._dirty = True  # a clean close clears the flag
+            self._recovered()
         return kept
+
+    def _recover_some(self, c: int, found: list[tuple[BlockHash, int, int, int]], kept: dict[int, list[int]]) -> bool:
+        """Index those of `found` (whole blocks in slots of `c` bytes) no
+        record names, the first copy of each; their slots go into `kept`
+        (caller holds the commit lock). False: the index refused them (full),
+        their slots kept from reuse all the same."""
+        held, firsts = self.records_of([f[0] for f in found]), {}
+        for f, e in zip(found, held):
+            if e is None and f[0] not in firsts:
+                firsts[f[0]] = f
+            elif e is None or (e[0], e[2]) != (f[1], f[3]):  # another copy stands (a record on this slot: this copy)
+                self.segments.clear(f[1], f[3])
+        new = list(firsts.values())
+        # the marks too: they are past these slots only in memory (raised to the files' ends at open)
+        ok = not new or self._write_index({h: RECORD.pack(size, csum, s, t) for (h, size, csum, s), t in
+                                           zip(new, self._atimes.ticks(len(new)))}, [], dict(self.space.marks))
+        if not ok:
+            self.stats.add(errors=1)
+        kept.setdefault(c, []).extend(f[3] for f in new)
+        return ok
 
     def _recovered(self) -> None:
         if self.recovering:

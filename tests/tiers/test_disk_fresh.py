@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.tiers.disk_writer_child import block_for, key_for
-from tiers import disk_fresh
+from tiers import disk_fresh, disk_slots
 from tiers.disk import DiskTier
+from tiers.types import TierKVError
 
 REPO = Path(__file__).resolve().parents[2]
 MB = 1 << 20
@@ -111,4 +113,52 @@ def test_a_damaged_unindexed_slot_is_not_indexed_and_is_free_again(tmp_path):
     got = tier.get_many(hs)
     assert sum(g is None for g in got) == 1 and tier.stats.blocks == 19
     assert all(g is None or torch.equal(g, block_for(h)) for g, h in zip(got, hs))
+    tier.close()
+
+
+def test_the_dirty_flag_is_synced_with_its_meta_page_before_the_first_fresh_record(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 64 * MB)
+    synced = []
+    monkeypatch.setattr(tier.index, "sync", lambda: synced.append(tier.index.dirty()))
+    # The first put sets the flag and syncs the whole index (lmdb leaves a commit's meta page to the next one);
+    # later puts add fresh records without another index write.
+    hs = keys(6)
+    tier.put_many(hs[:3], [block_for(h) for h in hs[:3]])
+    tier.put_many(hs[3:], [block_for(h) for h in hs[3:]])
+    assert synced == [True]
+    tier.close()
+
+
+def test_a_put_that_loses_a_race_with_close_is_not_reported_stored(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 64 * MB)
+    assert tier.swept.wait(30)
+    first, h = keys(2)
+    assert tier.put_many([first], [block_for(first)]) == [True]  # the dirty flag is set: later puts write no index
+    write = tier._write_slots
+
+    def close_meanwhile(hashes, objs):  # the slots are written, then the tier closes before the records exist
+        written = write(hashes, objs)
+        tier.close()
+        return written
+
+    monkeypatch.setattr(tier, "_write_slots", close_meanwhile)
+    with pytest.raises(TierKVError):
+        tier.put_many([h], [block_for(h)])
+    # The close was clean and the block was never indexed: the next open neither has it nor recovers anything.
+    tier = DiskTier(tmp_path, 64 * MB)
+    assert not tier.recovering and tier.get_many([h]) == [None] and tier.stats.blocks == 1 and exact(tier, [first])
+    tier.close()
+
+
+def test_a_slot_the_index_already_names_for_its_block_is_kept_as_it_is(tmp_path):
+    stopped_without_close(tmp_path, 5)
+    tier = DiskTier(tmp_path, 64 * MB)
+    assert tier.swept.wait(60)
+    hs = keys(5)
+    # Met again by a recovery (as after a heal that indexed every slot): the same copy, not a second one.
+    size, csum, slot, _ = tier.records_of(hs[:1])[0]
+    with tier.commit_lock:
+        kept: dict[int, list[int]] = {}
+        assert tier._recover_some(disk_slots.slot_size(size), [(hs[0], size, csum, slot)], kept)
+    assert exact(tier, hs) and tier.stats.corrupt == 0
     tier.close()
