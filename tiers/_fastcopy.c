@@ -10,22 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* An (address, length) pair names memory the caller keeps alive through the
- * call (a CPU tensor's, a slot of a pool): no buffer object per block, where
- * a numpy view costs a microsecond. It is "acquired" with obj NULL, so
- * PyBuffer_Release leaves it alone. */
-static int get_buffer(PyObject *o, Py_buffer *b, int flags) {
-    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 2) return PyObject_GetBuffer(o, b, flags);
-    memset(b, 0, sizeof(*b));
-    b->buf = PyLong_AsVoidPtr(PyTuple_GET_ITEM(o, 0));
-    b->len = PyLong_AsSsize_t(PyTuple_GET_ITEM(o, 1));
-    if (PyErr_Occurred()) return -1;
-    if (!b->buf || b->len < 0) {
-        PyErr_SetString(PyExc_ValueError, "an (address, length) pair must name memory");
-        return -1;
-    }
-    return 0;
-}
+#include "_spans.h"
 
 static int get_pair(PyObject *d, PyObject *s, Py_buffer *dst, Py_buffer *src) {
     if (get_buffer(d, dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
@@ -103,6 +88,17 @@ static PyObject *copy_many(PyObject *self, PyObject *args) {
  * libxxhash's header here); the Python loop there is the reference. */
 typedef unsigned long long (*hash_fn)(const void *, size_t);
 
+/* The n checksums as a list of ints (NULL with an exception set). */
+static PyObject *sums_list(const unsigned long long *sums, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
+        if (!v) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
 static PyObject *copy_hash_many(PyObject *self, PyObject *args) {
     PyObject *dl, *sl, *out = NULL;
     Py_ssize_t skip;
@@ -125,12 +121,7 @@ static PyObject *copy_hash_many(PyObject *self, PyObject *args) {
             sums[i] = hash((const char *)p.bufs[2 * i].buf + from, (size_t)(len - from));
         }
         Py_END_ALLOW_THREADS
-        out = PyList_New(p.n);
-        for (Py_ssize_t i = 0; out && i < p.n; i++) {
-            PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
-            if (!v) { Py_CLEAR(out); break; }
-            PyList_SET_ITEM(out, i, v);
-        }
+        out = sums_list(sums, p.n);
     }
     PyMem_Free(sums);
     close_pairs(&p);
@@ -163,12 +154,7 @@ static PyObject *hash_rows(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) sums[i] = hash((const char *)b.buf + i * len + skip, (size_t)(len - skip));
     Py_END_ALLOW_THREADS
-    out = PyList_New(n);
-    for (Py_ssize_t i = 0; out && i < n; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(sums[i]);
-        if (!v) { Py_CLEAR(out); break; }
-        PyList_SET_ITEM(out, i, v);
-    }
+    out = sums_list(sums, n);
     PyMem_Free(sums);
     PyBuffer_Release(&b);
     return out;

@@ -16,8 +16,7 @@
  * same call (one GIL release per batch where a separate sync makes two, and
  * the store's other threads take the GIL at each); a failed sync fails
  * every slot of the batch, with its errno. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_spans.h"
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
@@ -78,19 +77,8 @@ static int gather(PyObject *fds, PyObject *offs, PyObject *hashes, PyObject *obj
             PyErr_SetString(PyExc_ValueError, "each hash must be 16 bytes");
             return -1;
         }
-        PyObject *o = PySequence_Fast_GET_ITEM(objs, i);
-        if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 2) {  /* (address, length): memory the caller keeps alive */
-            s->obj.buf = PyLong_AsVoidPtr(PyTuple_GET_ITEM(o, 0));
-            s->obj.len = PyLong_AsSsize_t(PyTuple_GET_ITEM(o, 1));
-            if (PyErr_Occurred()) return -1;
-            if (!s->obj.buf || s->obj.len < 0) {
-                PyErr_SetString(PyExc_ValueError, "an (address, length) object must name memory");
-                return -1;
-            }
-        } else {
-            if (PyObject_GetBuffer(o, &s->obj, PyBUF_C_CONTIGUOUS) < 0) return -1;
-            s->have_obj = 1;
-        }
+        if (get_buffer(PySequence_Fast_GET_ITEM(objs, i), &s->obj, PyBUF_C_CONTIGUOUS) < 0) return -1;
+        s->have_obj = 1;
         if (s->obj.len > 0xffffffffLL) {
             PyErr_SetString(PyExc_ValueError, "an object must be under 4 GiB");
             return -1;
