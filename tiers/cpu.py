@@ -142,12 +142,12 @@ class SlotPool(SlotTier):
                 self.footprint(max(sizes))
             todo = self._reserve(hashes)
             rows = self._host_rows if all(o.is_cpu for o in objs) else None
-            copies = [(self._slot(slot, objs[i].numel()), objs[i]) for i, slot in todo] if rows is None else []
+            copies = [(self._slot(slot, sizes[i]), objs[i]) for i, slot in todo] if rows is None else []
         try:
             if rows is None:
                 copy_all(copies)
             elif not self._copy_spans(rows, objs, sizes, todo):  # host to host: numpy views off the pool (not torch's: ~2 us)
-                copy_arrays([rows[slot, :objs[i].numel()] for i, slot in todo], [objs[i].numpy() for i, _ in todo])
+                copy_arrays([rows[slot, :sizes[i]] for i, slot in todo], [objs[i].numpy() for i, _ in todo])
         except BaseException:
             with self._lock:
                 self._free.extend(slot for _, slot in todo)

@@ -162,7 +162,9 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
             pack = RECORD.pack
             puts = {h: pack(size, csum, s, t) for (h, size, csum, s), t in zip(fresh, self._atimes.ticks(len(fresh)))}
             if not self._dirty:  # durable before the first record that lives only in memory (meta page too)
-                self._dirty = self._write_index({}, [], dirty=True) and (self.index.sync() or True)
+                self._dirty = self._write_index({}, [], dirty=True)
+                if self._dirty:
+                    self.index.sync()
             if not self._dirty:
                 self.stats.add(errors=1)
                 self._free(fresh)

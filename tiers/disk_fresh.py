@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-from tiers.disk_index import RECORD
+from tiers.disk_index import record_size
 from tiers.types import BlockHash
 
 MERGE_RECORDS = 65536  # fresh records merged at once (~10 MiB of memory at most)
@@ -66,7 +66,7 @@ class FreshRecords:
             for h in hashes:
                 v = self._recs.pop(h, None)
                 if v is not None:
-                    self._bytes -= _size(v)
+                    self._bytes -= record_size(v)
                     out.append((h, v))
         return out
 
@@ -85,7 +85,7 @@ class FreshRecords:
             for h, v in recs.items():
                 if self._recs.get(h) == v:
                     del self._recs[h]
-                    self._bytes -= _size(v)
+                    self._bytes -= record_size(v)
 
     def clear(self) -> None:
         """Forget them all (the index was rebuilt from the slots, which hold them)."""
@@ -97,7 +97,3 @@ class FreshRecords:
         """(records, bytes of the objects they describe)."""
         with self._lock:
             return len(self._recs), self._bytes
-
-
-def _size(record: bytes) -> int:
-    return RECORD.unpack_from(record)[0]

@@ -76,7 +76,7 @@ def walk(scan: Callable[[bytes], list[tuple[bytes, bytes]]]) -> Iterator[list[tu
         after = chunk[-1][0]
 
 
-def _size(record: bytes) -> int:
+def record_size(record: bytes) -> int:
     """A record's object size (RECORD's first field; its checksum follows)."""
     return int.from_bytes(record[:8], "little")
 
@@ -176,8 +176,8 @@ class DiskIndex:
     def _record(self, k: bytes, v: bytes | None) -> bytes | None:
         if v is not None and (len(k), len(v)) != self._lens:
             raise lmdb.CorruptedError(f"a record of {len(k)}+{len(v)} bytes, not {self._lens}")
-        if v is not None and _size(v) > MAX_OBJECT:  # damaged bytes in range: read as a size, an allocation
-            raise lmdb.CorruptedError(f"a record of a {_size(v)}-byte object")
+        if v is not None and record_size(v) > MAX_OBJECT:  # damaged bytes in range: read as a size, an allocation
+            raise lmdb.CorruptedError(f"a record of a {record_size(v)}-byte object")
         return v
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
@@ -255,7 +255,7 @@ class DiskIndex:
         before there was one, or one whose count disagrees with lmdb's)."""
         blocks = nbytes = 0
         for chunk in walk(self.scan):
-            blocks, nbytes = blocks + len(chunk), nbytes + sum(_size(v) for _, v in chunk)
+            blocks, nbytes = blocks + len(chunk), nbytes + sum(record_size(v) for _, v in chunk)
         with self._env.begin(write=True) as txn:
             txn.put(META_KEY, _meta_record((blocks, nbytes), _parse_meta(txn.get(META_KEY))[1]))
         return blocks, nbytes
@@ -275,15 +275,15 @@ class DiskIndex:
                     held[c] = max(held.get(c, 0), m)
                 for k, v in puts.items():
                     if txn.put(k, v, overwrite=False):  # new, the usual case: one call, no read
-                        blocks, nbytes = blocks + 1, nbytes + _size(v)
+                        blocks, nbytes = blocks + 1, nbytes + record_size(v)
                     else:
                         old = txn.get(k)
                         txn.put(k, v)
-                        nbytes += _size(v) - _size(old)
+                        nbytes += record_size(v) - record_size(old)
                 for k in dels:
                     old = txn.pop(k)
                     if old is not None:
-                        blocks, nbytes = blocks - 1, nbytes - _size(old)
+                        blocks, nbytes = blocks - 1, nbytes - record_size(old)
                 for k, v in (only_if or {}).items():
                     now = txn.get(k)
                     if now is not None and now[:_PLACE] == v[:_PLACE]:
@@ -307,7 +307,7 @@ class DiskIndex:
         with self._env.begin(write=True) as txn:
             for k, v in records.items():
                 txn.put(k, v)
-            txn.put(META_KEY, _meta_record((len(records), sum(_size(v) for v in records.values())), marks))
+            txn.put(META_KEY, _meta_record((len(records), sum(record_size(v) for v in records.values())), marks))
             txn.delete(DIRTY_KEY)
 
     def _set_aside(self, problem: str) -> None:

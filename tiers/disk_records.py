@@ -132,8 +132,10 @@ class DiskRecords:
         """Write the fresh records into lmdb, `MERGE_TXN` per transaction (a
         full map keeps the rest fresh, counted as an error)."""
         with self.commit_lock:
+            if self.closed:
+                return True
             batch = list(self._fresh.batch().items())
-            for a in range(0, len(batch) if not self.closed else 0, MERGE_TXN):
+            for a in range(0, len(batch), MERGE_TXN):
                 part = dict(batch[a:a + MERGE_TXN])
                 if not self._write_index(part, [], self._fresh.marks, present=False):
                     self.stats.add(errors=1)
@@ -160,7 +162,10 @@ class DiskRecords:
         with self._lock:
             self._presence.discard(list(fresh))
         rest = [h for h in hashes if h not in fresh]
-        return self._write_index({}, rest) if rest else (self._sync_totals() or True)
+        if rest:
+            return self._write_index({}, rest)
+        self._sync_totals()
+        return True
 
     def _write_index(self, puts: dict[BlockHash, bytes], dels: list[BlockHash],
                      marks: dict[int, int] | None = None, dirty: bool | None = None, present: bool = True) -> bool:

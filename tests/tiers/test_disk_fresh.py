@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,7 @@ def test_blocks_put_before_a_stop_without_close_are_indexed_again(tmp_path):
 def test_while_recovering_new_puts_leave_the_unindexed_slots_alone(tmp_path, monkeypatch):
     stopped_without_close(tmp_path, 30)
     # The sweep held back: a put before the recovery takes slots past every written one.
-    gate = __import__("threading").Event()
+    gate = threading.Event()
     monkeypatch.setattr(DiskTier, "learn", lambda self, after, _learn=DiskTier.learn: gate.wait(60) and _learn(self, after))
     tier = DiskTier(tmp_path, 64 * MB)
     new = keys(10, seed=2)
