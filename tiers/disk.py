@@ -236,13 +236,17 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
             return None
 
     def recheck(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """Read held objects back; those that fail their checks are quarantined
-        and returned (the caller writes them again)."""
-        found = [(h, e) for h, e in zip(hashes, self.records_of(hashes)) if e is not None]
-        bad = [h for h, e in found
-               if self._read(h, e, torch.empty(e[0], dtype=torch.uint8)) is None and self._set_aside(h, e)]
-        self.stats.add(corrupt=len(bad))
-        return bad
+        """Read held objects back; returns those not held sound any more, for
+        the caller to write again: each that fails its checks is quarantined
+        here, or was by another thread (the sweep) since the caller saw it
+        held, which this tier's own count of failures leaves out."""
+        failed = [(h, e) for h, e in zip(hashes, self.records_of(hashes))
+                  if e is None or self._read(h, e, torch.empty(e[0], dtype=torch.uint8)) is None]
+        mine = {h for h, e in failed if e is not None and self._set_aside(h, e)}
+        self.stats.add(corrupt=len(mine))
+        others = [h for h, _ in failed if h not in mine]
+        gone = {h for h, e in zip(others, self.records_of(others)) if e is None}  # else re-put meanwhile: held
+        return [h for h, _ in failed if h in mine or h in gone]
 
     def quarantine(self, hashes: Iterable[BlockHash]) -> None:
         """Move blocks that failed the store's checks into quarantine/. The

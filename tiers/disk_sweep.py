@@ -73,5 +73,5 @@ def _records(tier: Swept, chunk: list[tuple[bytes, bytes]]) -> None:
     if suspects:  # read back, and quarantined and counted if still damaged (recheck decides under the lock)
         gone = tier.recheck(suspects)
         if gone:
-            log.warning("disk tier %s: %d index entries without a whole slot quarantined", tier.root, len(gone))
+            log.warning("disk tier %s: %d index entries without a whole slot: quarantined, or gone meanwhile", tier.root, len(gone))
     time.sleep(_YIELD_S)

@@ -166,6 +166,47 @@ def test_quarantine_on_the_stores_request(tmp_path):
     reopened.close()
 
 
+def test_recheck_reports_blocks_another_thread_set_aside(tmp_path, monkeypatch):
+    """The store's writer asks whether the tier still holds blocks sound
+    (`recheck`) while the sweep quarantines damaged ones: a block the sweep
+    took first is no longer held, and the writer must write it again."""
+    tier = DiskTier(tmp_path, 8 * MB)
+    a, b, c = keys(3)
+    tier.put_many([a, b, c], [block_for(a), block_for(b), block_for(c)])
+    overwrite(tier, a, b"\xff" * 16, at=40)
+    overwrite(tier, c, b"\xff" * 16, at=40)
+    # The writer saw a held; the sweep quarantined it before the recheck began.
+    assert tier.contains_many([a]) == [True]
+    tier.quarantine([a])
+    assert tier.recheck([a, b]) == [a]
+    # The sweep sets c aside between the writer's failed read and its own set-aside.
+    real_read = tier._read
+
+    def read_then_sweep(h, e, buf):
+        got = real_read(h, e, buf)
+        if got is None:
+            tier._set_aside(h, e, force=True)
+        return got
+
+    monkeypatch.setattr(tier, "_read", read_then_sweep)
+    assert tier.recheck([b, c]) == [c] and tier.contains_many([b, c]) == [True, False]
+    # A block stored again between the failed read and the set-aside is held sound: not reported.
+    tier.put_many([c], [block_for(c)])
+    overwrite(tier, c, b"\xff" * 16, at=40)
+
+    def read_then_reput(h, e, buf):
+        got = real_read(h, e, buf)
+        tier.delete_many([h])
+        tier.put_many([h], [block_for(h)])
+        return got
+
+    monkeypatch.setattr(tier, "_read", read_then_reput)
+    assert tier.recheck([c]) == []
+    monkeypatch.undo()
+    assert torch.equal(tier.get_many([c])[0], block_for(c))
+    tier.close()
+
+
 def test_capacity_is_respected(tmp_path):
     hs = keys(5)
     objs = [block_for(h)[:4096] for h in hs]
