@@ -157,13 +157,17 @@ class DiskRecords:
         return read_where(maybe, hashes, read, default)
 
     def _unindex(self, hashes: list[BlockHash]) -> bool:
-        """Remove the records of `hashes`, fresh or in lmdb (caller holds the commit lock)."""
-        fresh = {h for h, _ in self._fresh.pop(hashes)}
+        """Remove the records of `hashes`, fresh or in lmdb (caller holds the
+        commit lock). False: lmdb refused, and none was removed (the caller
+        keeps their slots)."""
+        fresh = [h for h, v in zip(hashes, self._fresh.get_many(hashes)) if v is not None]
+        known = set(fresh)
+        rest = [h for h in hashes if h not in known]
+        if rest and not self._write_index({}, rest):
+            return False
+        self._fresh.pop(fresh)
         with self._lock:
-            self._presence.discard(list(fresh))
-        rest = [h for h in hashes if h not in fresh]
-        if rest:
-            return self._write_index({}, rest)
+            self._presence.discard(fresh)
         self._sync_totals()
         return True
 
@@ -206,46 +210,46 @@ class DiskRecords:
                 self.presence_ready = self.presence_ready or not chunk
         return chunk
 
-    def recover(self, holes: dict[int, np.ndarray]) -> dict[int, list[int]]:
+    def recover(self, holes: dict[int, np.ndarray]) -> int:
         """The sweep's end after a dirty open: index the whole blocks in
         `holes` (slots per slot size no record names) that no record names
-        elsewhere; the slots now indexed, per slot size (the others are free)."""
-        kept: dict[int, list[int]] = {}
-        failed = False
+        elsewhere; how many. Their slots are marked in use as they are
+        indexed (a delete before the walk's end frees them again)."""
+        n, failed = 0, False
         for c, slots in holes.items():
             for a in range(0, len(slots), 4096):
                 found = self.segments.found(c, slots[a:a + 4096].tolist(), self._check)
                 with self.commit_lock:
                     self._check_open()
                     if not self.recovering:  # a heal meanwhile rebuilt the index from every slot
-                        return kept
-                    failed |= not self._recover_some(c, found, kept)
-        log.info("disk tier %s: %d blocks written before an unclean stop indexed again", self.root,
-                 sum(map(len, kept.values())))
+                        return n
+                    ok, k = self._recover_some(found)
+                    n, failed = n + k, failed or not ok
+        log.info("disk tier %s: %d blocks written before an unclean stop indexed again", self.root, n)
         if not failed:  # else the flag stays: the next open looks again
             self._dirty = True  # a clean close clears the flag
             self._recovered()
-        return kept
+        return n
 
-    def _recover_some(self, c: int, found: list[tuple[BlockHash, int, int, int]], kept: dict[int, list[int]]) -> bool:
-        """Index those of `found` (whole blocks in slots of `c` bytes) no
-        record names, the first copy of each; their slots go into `kept`
-        (caller holds the commit lock). False: the index refused them (full),
-        their slots kept from reuse all the same."""
+    def _recover_some(self, found: list[tuple[BlockHash, int, int, int]]) -> tuple[bool, int]:
+        """Index those of `found` (whole blocks in their slots) no record
+        names, the first copy of each, and mark their slots in use (caller
+        holds the commit lock): (False if the index refused them, their
+        slots kept from reuse all the same; how many)."""
         held, firsts = self.records_of([f[0] for f in found]), {}
         for f, e in zip(found, held):
             if e is None and f[0] not in firsts:
                 firsts[f[0]] = f
             elif e is None or (e[0], e[2]) != (f[1], f[3]):  # another copy stands (a record on this slot: this copy)
                 self.segments.clear(f[1], f[3])
-        new = list(firsts.values())
+        recs = {h: RECORD.pack(size, csum, s, t) for (h, size, csum, s), t in
+                zip(firsts.values(), self._atimes.ticks(len(firsts)))}
         # the marks too: they are past these slots only in memory (raised to the files' ends at open)
-        ok = not new or self._write_index({h: RECORD.pack(size, csum, s, t) for (h, size, csum, s), t in
-                                           zip(new, self._atimes.ticks(len(new)))}, [], dict(self.space.marks))
+        ok = not recs or self._write_index(recs, [], dict(self.space.marks))
         if not ok:
             self.stats.add(errors=1)
-        kept.setdefault(c, []).extend(f[3] for f in new)
-        return ok
+        self.space.seen(list(recs.values()))
+        return ok, len(recs)
 
     def _recovered(self) -> None:
         if self.recovering:

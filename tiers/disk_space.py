@@ -112,15 +112,13 @@ class FreeSlots:
         with self._lock:
             return {c: np.flatnonzero(~seen) for c, seen in (self._seen or {}).items()}
 
-    def walked(self, kept: dict[int, list[int]] | None = None) -> int:
+    def walked(self) -> int:
         """The walk is over: free the slots below the open marks it did not
-        meet, but those `kept` (indexed since). Returns how many were freed."""
+        meet (nor a recovery since). Returns how many were freed."""
         with self._lock:
             if self._seen is None:
                 return 0
             n = 0
-            for c, s in (kept or {}).items():
-                self._seen[c][np.asarray(s, dtype=np.int64)] = True
             for c, seen in self._seen.items():
                 holes = np.flatnonzero(~seen)[::-1]
                 self._free.setdefault(c, array("Q")).extend(holes.astype(np.uint64).tolist())

@@ -41,7 +41,7 @@ class Swept(Protocol):
 
     def recheck(self, hashes: Sequence[BlockHash]) -> list[BlockHash]: ...
 
-    def recover(self, holes: dict[int, np.ndarray]) -> dict[int, list[int]]: ...
+    def recover(self, holes: dict[int, np.ndarray]) -> int: ...
 _YIELD_S = 0.001  # between batches: a background pass lets requests have the interpreter
 
 
@@ -50,7 +50,9 @@ def sweep(tier: Swept) -> None:
     try:
         for chunk in walk(tier.learn):  # stops (raises) once the tier closes
             _records(tier, chunk)
-        freed = tier.space.walked(tier.recover(tier.space.holes()) if tier.recovering else None)
+        if tier.recovering:
+            tier.recover(tier.space.holes())
+        freed = tier.space.walked()
         if freed:
             log.info("disk tier %s: %d free slots found below the marks", tier.root, freed)
         remove_old_layouts(tier.root)
