@@ -176,7 +176,8 @@ class DiskRecords:
         """One index write transaction (caller holds the commit lock): `puts`,
         `dels`, the slot `marks`, the `dirty` flag and the access times gathered
         since the last one; a damaged index is healed and the write applied
-        to the new one. `present`: the puts are not in the presence table yet."""
+        to the new one. `present`: the puts are not in the presence table yet.
+        The caller syncs the totals (`_sync_totals`) when its change is whole."""
         pending = self._atimes.take()
         generation = self.index.generation
         try:
@@ -189,8 +190,7 @@ class DiskRecords:
                 if present:
                     self._presence.add(list(puts))
                 self._presence.discard(dels)
-        self._sync_totals()
-        return ok
+        return ok  # the caller syncs the totals once its fresh records agree (a merge drops its part after)
 
     def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
         with self._lock:  # the presence table once the sweep has filled it (tiers/presence.py)
@@ -248,6 +248,7 @@ class DiskRecords:
         ok = not recs or self._write_index(recs, [], dict(self.space.marks))
         if not ok:
             self.stats.add(errors=1)
+        self._sync_totals()
         self.space.seen(list(recs.values()))
         return ok, len(recs)
 
