@@ -145,8 +145,12 @@ class DiskRecords:
             return True
 
     def _present(self, hashes: Sequence[BlockHash]) -> list[bool]:
-        return self._maybe_read(hashes, lambda hs: [f is not None or i for f, i in zip(
-            self._fresh.get_many(hs), self._reading(lambda index: index.has_many(hs)))], False)
+        return self._maybe_read(hashes, self._held, False)
+
+    def _held(self, hashes: list[BlockHash]) -> list[bool]:
+        """Whether a record names each hash: fresh, or else in lmdb (asked only about the others)."""
+        fresh = [v is None for v in self._fresh.get_many(hashes)]
+        return read_where(fresh, hashes, lambda hs: self._reading(lambda index: index.has_many(hs)), True)
 
     def _maybe_read(self, hashes: Sequence[BlockHash], read: Callable[[list[BlockHash]], list[T]],
                     default: T) -> list[T]:

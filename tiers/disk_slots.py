@@ -180,7 +180,9 @@ class Segments:
                     sums[-1] = csum
                 except OSError as e:
                     err = err or e
-            sums, err = self._synced(sums, {key for (key, _), c in zip(placed, sums) if c is not None}, durable, err)
+            files = {key for (key, _), c in zip(placed, sums) if c is not None}
+            sums, err = self._synced(sums, files, durable, err)
+            return sums, files if any(c is not None for c in sums) else set(), err
         return sums, {key for (key, _), c in zip(placed, sums) if c is not None}, err
 
     def _synced(self, sums: list[int | None], files: set[tuple[int, int]], durable: bool,
