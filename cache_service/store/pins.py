@@ -93,6 +93,11 @@ class PinBook:
             return {s: len(p.hashes) for (t, s), p in self._sessions.items() if t == tenant}
 
     # ------------------------------------------------------------------ query
+    def any(self) -> bool:
+        """Whether any pin may be live (False: no block is pinned, none need be asked about)."""
+        with self._lock:
+            return bool(self._blocks or self._refs)
+
     def is_pinned(self, h: BlockHash) -> bool:
         """Whether any live pin covers `h` (expired pins are dropped here)."""
         now = time.monotonic()

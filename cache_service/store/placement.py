@@ -161,12 +161,9 @@ class Placement:
         while (short := need - tier.free_bytes()) > 0:
             # as many victims as the tier's average block frees that much: one batched read and delete
             used, blocks = tier.stats.used_bytes, tier.stats.blocks
-            picked = []
-            for _ in range(-(-short // max(1, used // blocks)) if blocks else 1):
-                v = self.state.policies[i].victim(self.state.pins.is_pinned)
-                if v is None:
-                    break
-                picked.append(v)
+            pins = self.state.pins
+            picked = self.state.policies[i].victims(-(-short // max(1, used // blocks)) if blocks else 1,
+                                                    pins.is_pinned if pins.any() else None)
             if not picked:
                 break
             objs = self._victim_objects(i, picked)

@@ -32,6 +32,10 @@ from tiers.types import BlockHash, ConfigError
 PinnedFn = Callable[[BlockHash], bool]
 
 
+def _unpinned(h: BlockHash) -> bool:
+    return False
+
+
 class EvictionPolicy(ABC):
     """Chooses eviction victims among a tier's resident blocks.
 
@@ -89,6 +93,14 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def victim(self, pinned: PinnedFn) -> BlockHash | None:
         """Remove and return the next unpinned block to evict, or None."""
+
+    def victims(self, n: int, pinned: PinnedFn | None = None) -> list[BlockHash]:
+        """Up to `n` victims in eviction order, each removed as by `victim`
+        (fewer when only pinned blocks are left; `pinned` None: none is)."""
+        out: list[BlockHash] = []
+        while len(out) < n and (v := self.victim(pinned or _unpinned)) is not None:
+            out.append(v)
+        return out
 
     @abstractmethod
     def __len__(self) -> int:

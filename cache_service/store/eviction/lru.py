@@ -57,6 +57,12 @@ class LRUPolicy(EvictionPolicy):
             del self._order[chosen]
         return chosen
 
+    def victims(self, n: int, pinned: PinnedFn | None = None) -> list[BlockHash]:
+        if pinned is not None:
+            return super().victims(n, pinned)
+        order = self._order  # no pins: the n least recent, one pass
+        return [order.popitem(last=False)[0] for _ in range(min(n, len(order)))]
+
     def __len__(self) -> int:
         return len(self._order)
 

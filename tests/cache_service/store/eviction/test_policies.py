@@ -86,6 +86,25 @@ def test_pinned_blocks_are_never_victims(name):
 
 
 @pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("pins", [None, {3, 4}])
+def test_victims_in_a_batch_are_those_victim_gives_one_by_one(name, pins):
+    # two policies in the same state: twelve blocks, some of them hit since
+    one, batch = make_policy(name, 12), make_policy(name, 12)
+    for p in (one, batch):
+        for i in range(12):
+            p.insert(H(i))
+        for i in (2, 7, 9):
+            p.touch(H(i))
+    pinned = (lambda h: int.from_bytes(h, "big") in pins) if pins else None
+    # five victims at once are the five one-by-one calls give, in order, and both keep the same rest
+    assert batch.victims(5, pinned) == [one.victim(pinned or no_pins) for _ in range(5)]
+    assert len(batch) == len(one) == 7 and all((H(i) in batch) == (H(i) in one) for i in range(12))
+    # asked for more than there are: every unpinned block, then nothing
+    left = batch.victims(20, pinned)
+    assert len(left) == 7 - len(pins or ()) and batch.victims(3, pinned) == []
+
+
+@pytest.mark.parametrize("name", POLICIES)
 def test_victim_is_none_when_everything_is_pinned_and_state_is_kept(name):
     # nothing resident: no victim
     p = make_policy(name, 6)
