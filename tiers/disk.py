@@ -51,8 +51,8 @@ from tiers.disk_index import RECORD, DiskIndex
 from tiers.disk_io import WriteErrors, buffers, fsync_dir, lock_root, readers, set_aside_old_layout
 from tiers.disk_records import DiskRecords, Entry
 from tiers.disk_recency import AccessTimes
-from tiers.disk_slots import Check, Segments
-from tiers.disk_space import FreeSlots
+from tiers.disk_slots import Check, Segments, slot_size
+from tiers.disk_space import FreeSlots, WritesInFlight
 from tiers.disk_sweep import sweep
 from tiers.presence import PresenceTable
 from tiers.types import HASH_BYTES, BlockHash, TierUnavailableError
@@ -108,7 +108,14 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
         self.closed = False
         self._presence, self.presence_ready = PresenceTable(self.index.size_hint()), False  # filled by the sweep
         self.space = FreeSlots({})
-        self._open_index()
+        self._writes = WritesInFlight()  # a put's slot writes, which a close or a heal's scan waits out
+        try:
+            self._open_index()
+        except Exception:  # a heal that failed: nothing of this tier stays open (the root's lock included)
+            self.index.close()
+            self.segments.close()
+            os.close(self._lock_fd)
+            raise
         self.swept = threading.Event()
         self._sweeper = threading.Thread(target=sweep, args=(self,), name="tierkv-disk-sweep", daemon=True)
         self._sweeper.start()
@@ -125,7 +132,10 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
     def put_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[bool]:
         todo = self._admit(hashes, objs)
         try:
-            self._commit(self._write_slots([hashes[i] for i in todo], [objs[i] for i in todo]))
+            with self._writes.writing():  # a close waits for these writes (it closes their files)
+                self._check_open()
+                written = self._write_slots([hashes[i] for i in todo], [objs[i] for i in todo])
+            self._commit(written)
         finally:
             with self._lock:
                 self._reserved -= sum(objs[i].numel() for i in todo)
@@ -194,10 +204,7 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
 
     def _release(self, e: Entry) -> None:
         """Free the slot of unindexed record `e` (header cleared: a rebuild does not bring it back)."""
-        try:
-            self.segments.clear(e[0], e[2])
-        except OSError as err:
-            log.warning("disk tier %s: clearing a freed slot failed: %s", self.root, err)
+        self._clear(e[0], e[2])
         self.space.give(e[0], e[2])
 
     def get_many(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
@@ -270,16 +277,30 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
             if not force and self._read(h, now, torch.empty(now[0], dtype=torch.uint8)) is not None:
                 return False
             log.warning("disk tier %s: block %s failed verification, quarantined", self.root, h.hex())
-            if not self._unindex([h]):
+            mine = self._owns_slot(h, e)
+            if not self._unindex([h]):  # still indexed: a miss at each read until lmdb takes the delete
                 self.stats.add(errors=1)
-                return True
-            self.segments.keep(e[0], e[2], self._quarantine_dir / f"{h.hex()}-{os.getpid()}-{next(self._seq)}")
-            self._release(e)
+                return False
+            if mine:
+                self.segments.keep(e[0], e[2], self._quarantine_dir / f"{h.hex()}-{os.getpid()}-{next(self._seq)}")
+                self._release(e)
         return True
 
+    def _owns_slot(self, h: BlockHash, e: Entry) -> bool:
+        """Whether record `e`'s slot is its block's to free: below the slot
+        marks (past them, the marks hand it out) and not headed as another
+        block's (a damaged record may name a live block's slot)."""
+        if e[2] >= self.space.marks.get(slot_size(e[0]), 0):
+            return False
+        try:
+            return self.segments.named(e[0], e[2]) in (h, None)
+        except OSError:
+            return False
+
     def close(self) -> None:
-        """Flush last-access times, stop the sweep, close the index and release the root."""
-        with self.commit_lock:
+        """Wait out slot writes under way, flush last-access times, stop the
+        sweep, close the index and release the root."""
+        with self._writes.quiet(), self.commit_lock:
             if self.closed:
                 return
             if self._atimes.waiting() or self._dirty or len(self._fresh):  # a clean close: every record merged

@@ -82,12 +82,13 @@ class DiskRecords:
         """Replace the index (damaged as of `generation`; None: empty) with
         one rebuilt from the slots whose objects `check` finds whole; the
         others are cleared (`opening`: no put is in flight)."""
-        with self.commit_lock:
+        with self.commit_lock, self._writes.quiet():  # no put writes a slot while every slot is read
             self._check_open()
             if self.index.generation != generation:
                 return  # another thread healed it meanwhile
             kept, used = self.segments.records(self._check, self._atimes.tick())
             marks = self.space.rebuilt({c: max(slots) + 1 for c, slots in used.items()}, used, opening)
+            self.segments.sync(set(self.segments.ends()))  # slots found in the page cache: durable before indexed
             self.index.replace(problem, kept, marks)
             self._atimes.take()
             self._fresh.clear()  # their slots were read: indexed now
@@ -97,9 +98,9 @@ class DiskRecords:
                 self._presence, self.presence_ready = PresenceTable(len(kept)), True
                 self._presence.add(list(kept))
             log.warning("disk tier %s: index rebuilt from %d whole objects in its segments", self.root, len(kept))
+            self._sync_totals()
         if problem is not None and not opening:  # those at open are counted there, with the ones vet found
             self.stats.add(errors=1)
-        self._sync_totals()
 
     def _sync_totals(self) -> None:
         """Take the counters from the index's totals and the fresh records' (after each write)."""
@@ -167,8 +168,11 @@ class DiskRecords:
         fresh = [h for h, v in zip(hashes, self._fresh.get_many(hashes)) if v is not None]
         known = set(fresh)
         rest = [h for h in hashes if h not in known]
+        generation = self.index.generation
         if rest and not self._write_index({}, rest):
             return False
+        if fresh and self.index.generation != generation and not self._write_index({}, fresh):
+            return False  # a heal meanwhile indexed the fresh ones from their slots: they go from lmdb too
         self._fresh.pop(fresh)
         with self._lock:
             self._presence.discard(fresh)
@@ -245,9 +249,11 @@ class DiskRecords:
             if e is None and f[0] not in firsts:
                 firsts[f[0]] = f
             elif e is None or (e[0], e[2]) != (f[1], f[3]):  # another copy stands (a record on this slot: this copy)
-                self.segments.clear(f[1], f[3])
+                self._clear(f[1], f[3])
         recs = {h: RECORD.pack(size, csum, s, t) for (h, size, csum, s), t in
                 zip(firsts.values(), self._atimes.ticks(len(firsts)))}
+        if recs:  # slots a stop may have left unsynced (found in the page cache): durable before indexed
+            self.segments.sync(set(self.segments.ends()))
         # the marks too: they are past these slots only in memory (raised to the files' ends at open)
         ok = not recs or self._write_index(recs, [], dict(self.space.marks))
         if not ok:
@@ -255,6 +261,13 @@ class DiskRecords:
         self._sync_totals()
         self.space.seen(list(recs.values()))
         return ok, len(recs)
+
+    def _clear(self, size: int, s: int) -> None:
+        """Zero a slot's header (a freed or second copy); a failure is logged: the slot stays as it is."""
+        try:
+            self.segments.clear(size, s)
+        except OSError as err:
+            log.warning("disk tier %s: clearing a freed slot failed: %s", self.root, err)
 
     def _recovered(self) -> None:
         if self.recovering:

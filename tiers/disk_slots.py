@@ -240,6 +240,16 @@ class Segments:
         except OSError as e:
             log.warning("segments %s: keeping slot %d of %s in quarantine failed: %s", self.root, s, key, e)
 
+    def named(self, size: int, s: int) -> BlockHash | None:
+        """The block slot `s`'s header names (a whole header, magic and all;
+        None: empty, torn, past its file's end)."""
+        key, off = self._place(size, s)
+        head = os.pread(self._fd(key), HEAD.size, off)
+        if len(head) < HEAD.size:
+            return None
+        magic, _, _, h = HEAD.unpack(head)
+        return BlockHash(h) if magic == MAGIC else None
+
     def clear(self, size: int, s: int) -> None:
         """Zero slot `s`'s header: a freed slot is not read back as a block by `scan`."""
         key, off = self._place(size, s)

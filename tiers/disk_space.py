@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 from array import array
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -151,3 +152,40 @@ class FreeSlots:
         """Bytes in free slots (segment space held but unused)."""
         with self._lock:
             return sum(c * len(f) for c, f in self._free.items())
+
+
+class WritesInFlight:
+    """A put's slot writes, which run outside the tier's commit lock, and
+    what must not run beside them: a close (it closes the files they write
+    to) and a heal's scan of every slot (it clears headers it finds torn).
+    `writing` around a put's writes; `quiet` waits for those in flight and
+    holds new ones back until it ends (nothing inside `writing` may wait for
+    the commit lock: a heal holds it while quiet)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._writing = self._quiet = 0
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._quiet)
+            self._writing += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        with self._cond:
+            self._quiet += 1
+            self._cond.wait_for(lambda: not self._writing)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._quiet -= 1
+                self._cond.notify_all()
