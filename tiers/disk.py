@@ -288,14 +288,20 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
 
     def _owns_slot(self, h: BlockHash, e: Entry) -> bool:
         """Whether record `e`'s slot is its block's to free: below the slot
-        marks (past them, the marks hand it out) and not headed as another
-        block's (a damaged record may name a live block's slot)."""
-        if e[2] >= self.space.marks.get(slot_size(e[0]), 0):
+        marks (past them, the marks hand it out) and not another block's by
+        that block's own record (a damaged record may name a live block's
+        slot; caller holds the commit lock)."""
+        c = slot_size(e[0])
+        if e[2] >= self.space.marks.get(c, 0):
             return False
         try:
-            return self.segments.named(e[0], e[2]) in (h, None)
+            other = self.segments.named(e[0], e[2])
         except OSError:
             return False
+        if other in (h, None):
+            return True
+        theirs = self.records_of([other])[0]
+        return theirs is None or (slot_size(theirs[0]), theirs[2]) != (c, e[2])
 
     def close(self) -> None:
         """Wait out slot writes under way, flush last-access times, stop the

@@ -5,7 +5,10 @@ the store and with `SharedSlots`.
 
 Locks: a tier's lock guards its membership and policy while a put evicts
 and places; writers hold objects in the in-flight map (under ``meta``)
-until they land, so a block stays visible while it moves down.
+until they land, so a block stays visible while it moves down. The map
+counts each queued object apart (by identity): a delete drops every write
+of its blocks queued so far, and a write that ends later cannot end one
+queued since (nor a slot hold taken for it, `keep`).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from cache_service.blocks.keys import Namespace
-from cache_service.blocks.objects import decode
+from cache_service.blocks.objects import decode, intact
 from cache_service.store.state import StoreState
 from cache_service.store.writer import Item
 from tiers.base import Tier
@@ -32,14 +35,19 @@ class Placement:
     def __init__(self, state: StoreState) -> None:
         self.state = state
 
-    def put(self, i: int, items: Sequence[Item], owned: bool = True, retry: bool = False) -> set[BlockHash]:
+    def put(self, i: int, items: Sequence[Item], owned: bool = True, retry: bool = False,
+            queued: bool = False) -> set[BlockHash]:
         """Put items into tier i, evicting as needed; victims and items that
         cannot fit go down (copied first unless `owned`: the caller's buffers
         may be reused), or are deferred while tier i is down (always when
-        `retry`: they were deferred before). Returns the hashes now held by tier i."""
+        `retry`: they were deferred before). `queued`: the items are a
+        writer's, put only while still in flight (under the tier's lock, so
+        a delete that ran first wins). Returns the hashes now held by tier i."""
         tier, pol = self.state.tiers[i], self.state.policies[i]
         victims: list[Item] = []
         with self.state.locks[i]:
+            if queued:
+                items = self._live(items)
             todo = [it for it, ok in zip(items, self._holds(i, [h for h, _ in items])) if not ok]
             ok = self._put_locked(i, todo, victims)
             pol.insert_many([h for (h, _), good in zip(todo, ok) if good])
@@ -182,6 +190,12 @@ class Placement:
         below = self.state.tiers[i + 1].contains_many(picked)
         fetch = [h for h, ok in zip(picked, below) if not ok]
         got = dict(zip(fetch, self.state.tiers[i].get_many(fetch))) if fetch else {}
+        if got and self.state.tiers[i].verify_payload and not self.state.tiers[i + 1].verify_payload:
+            bad = [h for h, o in got.items() if o is not None and not intact(h, memoryview(o.contiguous().numpy()))]
+            for h in bad:  # bytes a client wrote that do not match their checksum: not carried below unchecked
+                log.warning("tier %s: victim %s is corrupt; dropped", self.state.tiers[i].name, h.hex())
+                got[h] = None
+            self.state.count(i, corrupt=len(bad))
         return [got.get(h) for h in picked]
 
     def _journal_victims(self, i: int, picked: Sequence[BlockHash], objs: Sequence[torch.Tensor | None]) -> None:
@@ -226,68 +240,86 @@ class Placement:
         wait = st.cfg.queue_full == "wait" if wait is None else wait
         with st.meta:
             for h, obj in items:
-                entry = st.inflight.setdefault(h, [obj, 0])
-                entry[1] += 1
-                if h in st.holds:
-                    st.holds[h][0] += 1
+                st.inflight.setdefault(h, {}).setdefault(id(obj), [obj, 0])[1] += 1
+                if id(obj) in st.holds:
+                    st.holds[id(obj)][0] += 1
         queued = st.writers[i].submit_many(items, wait)
         if queued < len(items):
-            self._release(h for h, _ in items[queued:])
+            self._release(items[queued:])
             st.count(i, dropped=len(items) - queued)
 
-    def keep(self, releases: dict[BlockHash, Callable[[], None]]) -> None:
-        """Writes of these blocks are about to be queued with objects that are
-        views of another tier's slots (no copy): run `releases[h]` (end the
-        slot's hold) once every write of h queued from now on is done, and
-        once the caller's own count goes (`settle`)."""
+    def keep(self, releases: dict[int, Callable[[], None]]) -> None:
+        """Writes are about to be queued with objects that are views of
+        another tier's slots (no copy): run `releases[id(obj)]` (end the
+        slot's hold) once every write of that object queued from now on is
+        done, and once the caller's own count goes (`settle`)."""
         with self.state.meta:
-            for h, release in releases.items():
-                entry = self.state.holds.setdefault(h, [0, []])
+            for key, release in releases.items():
+                entry = self.state.holds.setdefault(key, [0, []])
                 entry[0] += 1
                 entry[1].append(release)
 
-    def settle(self, hashes: Iterable[BlockHash]) -> None:
+    def settle(self, objs: Iterable[torch.Tensor]) -> None:
         """Drop the count `keep` gave the caller (its writes are queued)."""
-        self._unhold(hashes)
+        self._unhold([id(o) for o in objs])
 
-    def _release(self, hashes: Iterable[BlockHash]) -> None:
-        hashes = list(hashes)
+    def _live(self, items: Sequence[Item]) -> list[Item]:
+        """Those of a writer's items still in flight (not deleted since they were queued)."""
         inflight = self.state.inflight
         with self.state.meta:
-            for h in hashes:
-                entry = inflight.get(h)
-                if entry is not None:
-                    entry[1] -= 1
-                    if entry[1] <= 0:
-                        del inflight[h]
-        self._unhold(hashes)
+            return [it for it in items if id(it[1]) in inflight.get(it[0], ())]
 
-    def _unhold(self, hashes: Iterable[BlockHash]) -> None:
+    def _release(self, items: Sequence[Item]) -> None:
+        """These queued writes are done (landed, refused or dropped)."""
+        inflight = self.state.inflight
+        with self.state.meta:
+            for h, obj in items:
+                writes = inflight.get(h)
+                entry = writes.get(id(obj)) if writes else None
+                if entry is None:  # deleted while queued: a later write's entry is not this one's
+                    continue
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del writes[id(obj)]
+                    if not writes:
+                        del inflight[h]
+        self._unhold([id(obj) for _, obj in items])
+
+    def _unhold(self, keys: Iterable[int]) -> None:
         done = []
         with self.state.meta:
-            for h in hashes:
-                entry = self.state.holds.get(h)
+            for key in keys:
+                entry = self.state.holds.get(key)
                 if entry is not None:
                     entry[0] -= 1
                     if entry[0] <= 0:
-                        done += self.state.holds.pop(h)[1]
+                        done += self.state.holds.pop(key)[1]
         for release in done:
             release()
 
     def persist(self, i: int, batch: Sequence[Item]) -> None:
         """Writer-thread body for tier i: put a batch, demoting victims below
-        (tier 0's writer carries promotions, which it counts)."""
-        with self.state.meta:  # a block deleted while queued must not come back
-            live = [it for it in batch if it[0] in self.state.inflight]
+        (tier 0's writer carries promotions, which it counts); a block
+        deleted while queued does not come back (`put`'s `queued`)."""
         try:
-            held = self.put(i, live)
+            held = self.put(i, batch, queued=True)
             if i == 0:
                 self.state.count(0, promoted=len(held))
             if self.state.journals[i] is not None:  # landed, or deleted while queued: not to be retried
-                deleted = {h for h, _ in batch} - {h for h, _ in live}
+                deleted = {h for h, _ in batch} - {h for h, _ in self._live(batch)}
                 self.state.journals[i].forget(list(held | deleted))
         finally:
-            self._release(h for h, _ in batch)
+            self._release(batch)
+
+    def quarantine(self, i: int, hashes: Sequence[BlockHash]) -> None:
+        """Blocks tier i holds damaged: set aside there, dropped from its policy
+        and the directory, counted as corrupt."""
+        with self.state.locks[i]:
+            self.state.tiers[i].quarantine(hashes)
+            for h in hashes:
+                self.state.policies[i].remove(h)
+        self.state.publish(i, list(hashes), present=False)
+        self.state.count(i, corrupt=len(hashes))
 
     def due(self, i: int, h: BlockHash) -> bool:
         """Count a hit of `h` in tier i > 0; True when it is the one that promotes."""

@@ -144,20 +144,30 @@ class SharedSlots:
             through = self.state.through()
             held = pool.hold(new) if through else []  # under the lock: nothing evicted them yet
         self.state.publish(0, new)
-        self._write_through(pool, through, new, held)
+        self._write_through(pool, ns, through, new, held)
         return len(new)
 
-    def _write_through(self, pool: SlotTier, through: list[int], keys: list[BlockHash], held: list) -> None:
+    def _write_through(self, pool: SlotTier, ns: Namespace, through: list[int], keys: list[BlockHash],
+                       held: list) -> None:
         """Queue the new blocks for the write-through tiers as views of their
         slots, each slot held from reuse until its writes are done (no copy
-        on the committing client's time; `Placement.keep`)."""
-        items = [(k, entry[1]) for k, entry in zip(keys, held) if entry is not None]
-        self.placement.keep({k: partial(pool.let_go, [entry]) for k, entry in zip(keys, held) if entry is not None})
+        on the committing client's time; `Placement.keep`). Their payloads
+        are checked first: commit checked the headers only, and the tiers
+        below keep what they are given (a mismatch stays a miss here)."""
+        entries = [(k, e) for k, e in zip(keys, held) if e is not None]
+        sound = verify([e[1] for _, e in entries], ns, [k for k, _ in entries]) if entries else []
+        bad = [(k, e) for (k, e), ok in zip(entries, sound) if ok is None]
+        if bad:
+            pool.let_go([e for _, e in bad])
+            self.placement.quarantine(0, [k for k, _ in bad])
+        entries = [(k, e) for (k, e), ok in zip(entries, sound) if ok is not None]
+        items = [(k, e[1]) for k, e in entries]
+        self.placement.keep({id(e[1]): partial(pool.let_go, [e]) for _, e in entries})
         try:
             for i in through:
                 self.placement.submit(i, [it for it in items if not self.placement.below_has(i, it[0])])
         finally:
-            self.placement.settle(k for k, _ in items)
+            self.placement.settle(obj for _, obj in items)
 
     def spare_limit(self, ns: Namespace) -> int:
         """How many spare slots (`reserve_spare`) one client may hold: 1/16 of the shared top tier."""

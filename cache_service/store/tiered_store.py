@@ -242,7 +242,8 @@ class TieredStore:
 
     def _load_inflight(self, ns: Namespace, hashes: Sequence[BlockHash], todo: list[int], out: list) -> None:
         with self._state.meta:  # copied while the entry stands: its object may be a held slot's view
-            found = [(j, self._state.inflight[hashes[j]][0].clone()) for j in todo if hashes[j] in self._state.inflight]
+            writes = [(j, self._state.inflight.get(hashes[j])) for j in todo]
+            found = [(j, list(w.values())[-1][0].clone()) for j, w in writes if w]  # the latest queued
         for j, obj in found:
             out[j] = decode(obj, ns, hashes[j], verify_payload=False)
 
@@ -354,11 +355,7 @@ class TieredStore:
         return self._placement.prefetch(ns, hashes)
 
     def _quarantine(self, i: int, h: BlockHash) -> None:
-        with self._state.locks[i]:
-            self.tiers[i].quarantine([h])
-            self._state.policies[i].remove(h)
-        self._state.publish(i, [h], present=False)
-        self._state.count(i, corrupt=1)
+        self._placement.quarantine(i, [h])
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier: store counters (hits, misses, evictions, corrupt, ...)

@@ -135,14 +135,13 @@ def test_a_put_that_loses_a_race_with_close_is_not_reported_stored(tmp_path, mon
     assert tier.swept.wait(30)
     first, h = keys(2)
     assert tier.put_many([first], [block_for(first)]) == [True]  # the dirty flag is set: later puts write no index
-    write = tier._write_slots
+    commit = tier._commit
 
-    def close_meanwhile(hashes, objs):  # the slots are written, then the tier closes before the records exist
-        written = write(hashes, objs)
+    def close_meanwhile(written):  # the slots are written, then the tier closes before the records exist
         tier.close()
-        return written
+        return commit(written)
 
-    monkeypatch.setattr(tier, "_write_slots", close_meanwhile)
+    monkeypatch.setattr(tier, "_commit", close_meanwhile)
     with pytest.raises(TierKVError):
         tier.put_many([h], [block_for(h)])
     # The close was clean and the block was never indexed: the next open neither has it nor recovers anything.
