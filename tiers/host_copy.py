@@ -3,6 +3,7 @@ bytes are still in cache, and pools other processes map."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -171,9 +172,11 @@ def shared_matrix(num_slots: int, slot_bytes: int, name: str) -> tuple[torch.Ten
     """([num_slots, slot_bytes] uint8 view of a memfd mapping, its fd, the row
     stride): rows page-aligned, so a client maps the same rows at the same offsets."""
     stride = -(-slot_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    fd = os.memfd_create(f"tierkv-{name}-pool", os.MFD_CLOEXEC)
+    fd = os.memfd_create(f"tierkv-{name}-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, num_slots * stride)
+        # sealed at its size: a client given the fd cannot shrink it under our mapping (a SIGBUS here)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         mm = mmap.mmap(fd, num_slots * stride, flags=mmap.MAP_SHARED)
     except BaseException:
         os.close(fd)

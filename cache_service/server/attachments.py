@@ -26,18 +26,28 @@ class Mapping:
 
     tenant: str | None
     data: torch.Tensor  # uint8 view of the usable bytes
+    fd: int = -1  # the segment's file, to see that it still backs the mapping
     used_s: float = field(default_factory=time.monotonic)
 
     def region(self, offset: int, nbytes: int) -> torch.Tensor:
         """Bytes [offset, offset + nbytes) of the data area; INVALID_ARGUMENT if
-        outside or misaligned (payloads are viewed in their dtype in place)."""
+        outside or misaligned (payloads are viewed in their dtype in place),
+        FAILED_PRECONDITION if the client cut its file short of them (pages
+        past a file's end would kill the daemon with SIGBUS)."""
         if offset % ALIGN:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"offset {offset} is not a multiple of {ALIGN}")
         if offset < 0 or nbytes < 0 or offset + nbytes > self.data.numel():
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"bytes [{offset}, {offset + nbytes}) do not fit the "
                                f"{self.data.numel()}-byte shared-memory segment")
+        if self.fd >= 0 and os.fstat(self.fd).st_size < DATA_OFFSET + offset + nbytes:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "the shared-memory segment was cut short under its mapping; attach a new one")
         return self.data[offset: offset + nbytes]
+
+    def __del__(self) -> None:  # once no request uses it: a descriptor closed under a request could be reused
+        if self.fd >= 0:
+            os.close(self.fd)
 
 
 class Attachments:
@@ -59,18 +69,20 @@ class Attachments:
             if len(self._maps) >= self.max_count:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"{self.max_count} segments attached already; detach one first")
-        mm = self._open(name)
+        mm, fd = self._open(name)
         if mm[: len(MAGIC)] != MAGIC or not secrets.compare_digest(mm[len(MAGIC): len(MAGIC) + NONCE_BYTES], nonce):
             mm.close()
+            os.close(fd)
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"segment {name}: nonce does not match")
         data = torch.frombuffer(mm, dtype=torch.uint8)[DATA_OFFSET:]
         del mm  # the tensor keeps the mapping alive; the last user unmaps it
         aid = secrets.token_hex(12)
         with self._lock:
-            self._maps[aid] = Mapping(tenant, data)
+            self._maps[aid] = Mapping(tenant, data, fd)
         return aid, data.numel()
 
-    def _open(self, name: str) -> mmap.mmap:
+    def _open(self, name: str) -> tuple[mmap.mmap, int]:
+        """The segment mapped, and its file kept open (`Mapping.region` checks its size)."""
         try:
             fd = os.open(self.dir / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
@@ -81,9 +93,10 @@ class Attachments:
             if not stat.S_ISREG(st.st_mode) or not DATA_OFFSET < st.st_size <= DATA_OFFSET + self.max_bytes:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"segment {name}: not a regular file of at most {self.max_bytes} data bytes")
-            return map_fd(fd, st.st_size)
-        finally:
+            return map_fd(fd, st.st_size), fd
+        except BaseException:
             os.close(fd)
+            raise
 
     def get(self, aid: str, tenant: str | None) -> Mapping:
         """The mapping of attachment `aid`; the caller must be its tenant."""

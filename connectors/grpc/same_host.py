@@ -96,6 +96,7 @@ class SameHost:
         self.spare: list[int] = []  # pool slots leased to this socket connection for no block yet
         self.pool_loads = pool_loads  # read held blocks in the pool (objects headed as this client names them)
         self._held: list[tuple[torch.Tensor, list[int]]] = []  # (handle of the loaded views, pool slots they hold)
+        self._retired: list[tuple[SocketClient, list]] = []  # dropped connections whose holds a caller still reads
         self.retry_at = 0.0
         self.lock = threading.Lock()
 
@@ -111,11 +112,28 @@ class SameHost:
         self.socket = SocketClient.open(reply.socket_path, self.token, self.timeout_s) if reply.socket_path else None
 
     def close_socket(self) -> None:
-        """Hang up the same-host socket; the pool mapping goes with it (the daemon hands back its slots)."""
+        """Hang up the same-host socket; the pool mapping goes with it (the
+        daemon hands back its slots). A connection whose held pool slots back
+        payloads a caller still reads stays open, retired, until those are
+        dropped (`_let_go`): the daemon would reuse the slots under them."""
         sock, self.socket, self.pool, self.pool_refused, self.spare = self.socket, None, None, False, []
-        self._held = []  # the daemon lets go of a connection's holds when it ends
-        if sock is not None:
+        live = [(handle, slots) for handle, slots in self._held if storage_users(handle) > 1]
+        self._held = []
+        if sock is not None and live:
+            self._retired.append((sock, live))
+        elif sock is not None:
             sock.close()
+        self._close_retired()
+
+    def _close_retired(self, every: bool = False) -> None:
+        """Hang up retired connections whose loaded payloads nobody holds any more (`every`: all of them)."""
+        keep = []
+        for sock, held in self._retired:
+            if every or all(storage_users(handle) <= 1 for handle, _ in held):
+                sock.close()
+            else:
+                keep.append((sock, held))
+        self._retired = keep
 
     def drop(self) -> None:
         """Stop using the segment: the daemon forgot it (restart) or may still
@@ -158,6 +176,7 @@ class SameHost:
         self.nbytes = 0  # no re-attaching after this
         seg, self.seg = self.seg, None
         self.close_socket()
+        self._close_retired(every=True)  # closing the client ends its loans, as its docstring says
         if seg is not None:
             try:
                 self.grpc_call("Detach", pb.DetachRequest(attachment=self.attachment), timeout_s=2.0)
@@ -212,6 +231,7 @@ class SameHost:
 
     def _let_go(self) -> None:
         """Hand back the pool slots of earlier loads whose payloads nobody holds any more."""
+        self._close_retired()
         done = [slots for handle, slots in self._held if storage_users(handle) <= 1]
         self._held = [(handle, slots) for handle, slots in self._held if storage_users(handle) > 1]
         if any(done) and self.socket is not None:

@@ -2,7 +2,11 @@
 checked by the daemon; loads handed out as views of the segment."""
 from __future__ import annotations
 
+import os
+import time
+
 import grpc
+import pytest
 import torch
 
 from cache_service.blocks.objects import HEADER_SIZE, encode_into, object_size
@@ -73,3 +77,61 @@ def test_a_caller_holding_the_whole_segment_still_gets_answers(start):
         assert intact(c, hs) and put(c, hashes(2, start=700)) == 2
         assert all(same(p, payload_for(h)) for p, h in zip(held, hs))
         assert isinstance(held[0], torch.Tensor) and c.transport == "shm"
+
+
+def test_a_segment_cut_short_under_the_daemon_is_refused_not_a_crash(start):
+    d = start()
+    stub, hs = raw(d), hashes(2)
+    seg = Segment(4 * S)
+    try:
+        aid = stub.Attach(pb.AttachRequest(name=seg.name, nonce=seg.nonce)).attachment
+        for i, h in enumerate(hs):
+            encode_into(seg.data[i * S: (i + 1) * S], NS, h, payload_for(h))
+        # The client cuts its segment's file short: touching those pages would kill the daemon (SIGBUS).
+        os.truncate(seg.path, 4096)
+        req = pb.ShmRequest(ns=ns_to_pb(NS), hashes=hs, attachment=aid)
+        code, why = code_of(lambda: stub.StoreShm(req))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "cut short" in why
+        assert code_of(lambda: stub.LoadShm(req))[0] == grpc.StatusCode.FAILED_PRECONDITION
+        # The daemon lives on and serves the others.
+        with GrpcClient(url(d, "stream")) as c:
+            assert c.store(NS, hs, [payload_for(h) for h in hs]) == 2 and c.lookup(hs) == 2
+    finally:
+        seg.close()
+
+
+def test_the_pool_a_client_maps_cannot_be_cut_short(start):
+    d = start(cpu_blocks=16, shared=True)
+    with GrpcClient(url(d, "shm")) as c:
+        c.store(NS, hashes(1), [payload_for(hashes(1)[0])])
+    # A client holds the daemon's pool's descriptor (MAP_POOL): the pool is sealed at its size.
+    fd = os.dup(d.store.tiers[0].share_fd)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def test_payloads_loaded_in_place_survive_the_client_dropping_its_connection(start):
+    d = start(cpu_blocks=16, shared=True)
+    a, others = hashes(4), hashes(32, start=1000)
+    with GrpcClient(url(d, "shm")) as c1, GrpcClient(url(d, "stream")) as c2:
+        # c1 loads views of blocks where they lie in the daemon's pool; they are evicted from it since.
+        c1.store(NS, a, [payload_for(h) for h in a])
+        held = c1.load(NS, a)
+        assert c1._near.pool is not None and all(same(p, payload_for(h)) for p, h in zip(held, a))
+        c2.store(NS, others, [payload_for(h) for h in others])
+        # c1's attachment is reaped (idle), so its next load fails and it drops its connection.
+        d.attachments.idle_s = 0.0
+        time.sleep(0.05)
+        d.attachments.reap()
+        d.attachments.idle_s = 600
+        c1.load(NS, hashes(1, start=5000))
+        # Another client fills the pool again: the views c1's caller still holds are left as they were.
+        c2.store(NS, hashes(32, start=2000), [payload_for(h) for h in hashes(32, start=2000)])
+        assert all(same(p, payload_for(h)) for p, h in zip(held, a))
+        # Once the caller drops them, the old connection goes.
+        del held
+        c1.load(NS, a[:1])
+        assert c1._near._retired == []
