@@ -42,7 +42,8 @@ from cache_service.protocol.segment import host_id
 from cache_service.protocol.messages import check_payloads, stats_from_pb
 from cache_service.protocol.batches import split
 from connectors.grpc.data_path import DataPathLink
-from connectors.grpc.same_host import ProtocolError, SameHost, ns_pb as _ns
+from connectors.grpc.pool_map import ProtocolError, ns_pb as _ns
+from connectors.grpc.same_host import SameHost
 from connectors.grpc.sessions import RemoteSessions
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc

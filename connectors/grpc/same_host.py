@@ -19,13 +19,8 @@ attaches anew.
 """
 from __future__ import annotations
 
-import mmap
-import os
 import threading
 import time
-from collections import deque
-from functools import lru_cache
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import grpc
@@ -38,42 +33,13 @@ from cache_service.blocks.keys import Namespace
 from cache_service.blocks.objects import (HEADER_SIZE, checksums, encode_flats, encode_rows, object_size,
                                           payload_bytes, verify)
 from cache_service.protocol.segment import Segment
-from cache_service.protocol.messages import ns_to_pb, torch_dtype
+from cache_service.protocol.messages import torch_dtype
 from proto import tierkv_pb2 as pb
+from connectors.grpc.pool_map import NO_ROOM, PoolMap, PoolReplies, ProtocolError, checked_slots, map_pool, ns_pb
 from tiers.arena import can_count_users, storage_users
-from tiers.types import BlockHash, TierKVError
+from tiers.types import BlockHash
 
-NO_ROOM = -2  # a Reserve answer: store this block another way
-ns_pb = lru_cache(maxsize=64)(ns_to_pb)  # a namespace's message, built once (requests copy it)
-_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python names it from 3.13 on
 CHUNK_BYTES = 16 << 20  # a pool store's unit: the daemon commits one while the client fills the next
-
-
-class ProtocolError(TierKVError):
-    """The daemon answered something this client does not understand."""
-
-
-@dataclass(slots=True)
-class _Pool:
-    """This process's mapping of the daemon's pool."""
-
-    rows: torch.Tensor  # [num_slots, slot_bytes]
-    slot_bytes: int
-    mm: mmap.mmap
-    stride: int
-    fresh: list[bool]  # per slot: not yet written through this mapping
-
-    def prepare(self, slots: Sequence[int]) -> None:
-        """Map the pages of slots this process has not written yet in one call
-        per slot (MADV_POPULATE_WRITE), not one page fault per 4 KiB page in
-        the middle of the copy (a fault costs microseconds in a VM)."""
-        for s in slots:
-            if self.fresh[s]:
-                self.fresh[s] = False
-                try:
-                    self.mm.madvise(_POPULATE_WRITE, s * self.stride, self.slot_bytes)
-                except OSError:  # before Linux 5.14: the copy faults the pages in
-                    pass
 
 
 class SameHost:
@@ -91,7 +57,7 @@ class SameHost:
         self.seg: Segment | None = None
         self.attachment = ""
         self.socket: SocketClient | None = None
-        self.pool: _Pool | None = None
+        self.pool: PoolMap | None = None
         self.pool_refused = False  # the daemon does not share its pool (asked once per socket connection)
         self.spare: list[int] = []  # pool slots leased to this socket connection for no block yet
         self.pool_loads = pool_loads  # read held blocks in the pool (objects headed as this client names them)
@@ -204,7 +170,7 @@ class SameHost:
                 out[j] = p
             return out
 
-    def _load_pool(self, pool: _Pool, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+    def _load_pool(self, pool: PoolMap, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """The blocks the daemon's pool holds, read where they lie: HOLD, then
         each object verified in place (header and payload checksum; a bad one
         is a miss here, which the segment path reads again and the daemon
@@ -217,7 +183,7 @@ class SameHost:
                 raise
             return [None] * len(hashes)
         num = pool.rows.shape[0]
-        slots = _checked_slots("Hold", list(reply.slots), len(hashes), -1, num)
+        slots = checked_slots("Hold", list(reply.slots), len(hashes), -1, num)
         hit = [j for j, s in enumerate(slots) if s >= 0]
         held = [slots[j] for j in hit]
         handle = torch.frombuffer(pool.mm, dtype=torch.uint8)  # its storage's use count tells when views are gone
@@ -274,14 +240,14 @@ class SameHost:
                 stored += self.store_stream(ns, hs, ps) if more is None else more
             return stored
 
-    def _store_pool(self, pool: _Pool, ns: Namespace, hashes: Sequence[BlockHash],
+    def _store_pool(self, pool: PoolMap, ns: Namespace, hashes: Sequence[BlockHash],
                     payloads: Sequence[torch.Tensor]) -> tuple[int, list[int]]:
         """Reserve, fill and commit in chunks of about CHUNK_BYTES, pipelined:
         the daemon reserves the next chunk and commits the last one while
         this process fills the current one. (stored, positions with no room)."""
         per = max(1, CHUNK_BYTES // object_size(ns))
         chunks = split(len(hashes), per, edge=per // 4)
-        replies = _Replies(self.socket, pool.rows.shape[0])
+        replies = PoolReplies(self.socket, pool.rows.shape[0])
         if self.spare:  # spare slots from an earlier Commit: the first chunk starts without a round trip
             k = min(len(self.spare), len(chunks[0]))
             chunks[:1] = [chunks[0][:k]] + ([chunks[0][k:]] if k < len(chunks[0]) else [])
@@ -320,7 +286,7 @@ class SameHost:
         req = pb.ShmRequest(ns=ns_pb(ns), hashes=list(hashes), attachment=self.attachment, offset=offset)
         return self.call(Op.STORE_SHM, req).stored
 
-    def _pool(self, ns: Namespace) -> _Pool | None:
+    def _pool(self, ns: Namespace) -> PoolMap | None:
         """This process's mapping of the daemon's pool, mapped on first use;
         None without the same-host socket, when the daemon does not share its pool, or
         when this namespace's objects do not fit its slots."""
@@ -332,77 +298,9 @@ class SameHost:
                     raise
                 self.pool_refused = True  # not shared (several tenants, not a pool): the segment it is
                 return None
-            self.pool = _map(fd, reply)
+            self.pool = map_pool(fd, reply)
         pool = self.pool
         return pool if pool is not None and object_size(ns) <= pool.slot_bytes else None
-
-
-class _Replies:
-    """The calls of one pipelined pool store, posted on the same-host socket and
-    answered in order: Reserve replies are kept per chunk, Commit replies
-    summed."""
-
-    def __init__(self, sock: SocketClient, num_slots: int) -> None:
-        self.socket, self.num_slots = sock, num_slots
-        self.pending: deque[tuple[str, int]] = deque()  # (call, its Reserve chunk or its Commit's block count)
-        self.reserved: list[list[int]] = []
-        self.stored = 0
-        self.spare: list[int] = []  # spare slots a Commit was granted
-        self.asked = False  # a Commit of this store asked for spares already
-
-    def reserve(self, ns: Namespace, hashes: list[BlockHash]) -> None:
-        self.socket.post(Op.RESERVE, pb.BlocksRequest(ns=ns_pb(ns), hashes=hashes))
-        self.pending.append(("Reserve", len(hashes)))
-
-    def commit(self, ns: Namespace, hashes: list[BlockHash], slots: list[int], spare: int = 0) -> None:
-        self.socket.post(Op.COMMIT, pb.CommitRequest(ns=ns_pb(ns), hashes=hashes, slots=slots, spare=max(0, spare)))
-        self.pending.append(("Commit", len(hashes)))
-        self.asked = True
-
-    def slots(self, k: int) -> list[int]:
-        """The slots chunk k got (waiting for the replies before it)."""
-        while len(self.reserved) <= k:
-            self._next()
-        return self.reserved[k]
-
-    def finish(self) -> int:
-        while self.pending:
-            self._next()
-        return self.stored
-
-    def _next(self) -> None:
-        name, n = self.pending.popleft()
-        if name == "Commit":
-            reply = self.socket.answer(Op.COMMIT)
-            self.stored += reply.stored
-            self.spare += _checked_slots(name, list(reply.spare), len(reply.spare), 0, self.num_slots)
-            return
-        slots = list(self.socket.answer(Op.RESERVE).slots)
-        self.reserved.append(_checked_slots(name, slots, n, NO_ROOM, self.num_slots))
-
-
-
-def _checked_slots(name: str, slots: list[int], n: int, lowest: int, num_slots: int) -> list[int]:
-    if len(slots) != n or any(not lowest <= s < num_slots for s in slots):
-        raise ProtocolError(f"daemon answered {name} of {n} blocks with slots {slots[:8]}...")
-    return slots
-
-
-def _map(fd: int, reply: pb.PoolReply) -> _Pool:
-    """Map the daemon's pool (fd: its memfd, closed here) as [num_slots, slot_bytes] rows."""
-    try:
-        size = reply.num_slots * reply.slot_stride
-        if not reply.num_slots or reply.slot_bytes > reply.slot_stride or reply.slot_stride % mmap.PAGESIZE \
-                or os.fstat(fd).st_size < size:  # a short file would be SIGBUS, not an error
-            raise ProtocolError(f"daemon announced a pool of {reply.num_slots} slots of {reply.slot_bytes} "
-                                f"bytes, {reply.slot_stride} apart, in a {os.fstat(fd).st_size}-byte file")
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    except OSError as e:
-        raise ProtocolError(f"cannot map the daemon's pool: {e}") from None
-    finally:
-        os.close(fd)
-    rows = torch.frombuffer(mm, dtype=torch.uint8).view(reply.num_slots, reply.slot_stride)
-    return _Pool(rows[:, :reply.slot_bytes], reply.slot_bytes, mm, reply.slot_stride, [True] * reply.num_slots)
 
 
 def _check_sizes(sizes: Sequence[int], n: int, payload_bytes: int) -> None:
