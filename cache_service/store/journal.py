@@ -46,14 +46,25 @@ log = logging.getLogger("tierkv.journal")
 _MIN_BYTES = 1 << 20  # lmdb's own pages (meta, branch pages, free list) need room too
 
 
+def _footprint(nbytes: int) -> int:
+    """Bytes an entry of `nbytes` takes in lmdb: its own pages past half a page, else its share of a leaf."""
+    return -(-(nbytes + 64) // 4096) * 4096 if nbytes > 2000 else nbytes + 64
+
+
 class UploadJournal:
-    """Objects awaiting one tier, in lmdb at `path` (a directory), at most
-    `limit_bytes` of file. Thread-safe."""
+    """Objects awaiting one tier, in lmdb at `path` (a directory): entries
+    up to `limit_bytes` less a reserve, the file at most `file_limit` (the
+    bound and a reserve past it; the reserves: max(256 KiB, 1/8 of the
+    bound), for deletes). Thread-safe."""
 
     def __init__(self, path: str | os.PathLike, limit_bytes: int, fsync: bool = True) -> None:
         assert limit_bytes >= _MIN_BYTES, "a journal smaller than lmdb's own pages"
         self.path, self.limit_bytes, self._fsync = Path(path), limit_bytes, fsync
         self.refused = 0  # records refused at the bound
+        # past the entries' bound, for deletes and the pages lmdb frees but cannot reuse yet: a full map
+        # refuses deletes too, and a journal that cannot drop what landed stays full for good
+        self._reserve = max(_MIN_BYTES // 4, limit_bytes // 8)
+        self.file_limit = limit_bytes + self._reserve
         self._lock = threading.Lock()
         self._sizes: OrderedDict[BlockHash, int] = OrderedDict()  # oldest first (by this process's clock)
         self._env = self._open()
@@ -75,7 +86,7 @@ class UploadJournal:
 
     def _env_at(self) -> lmdb.Environment:
         self.path.mkdir(parents=True, exist_ok=True)
-        return lmdb.open(str(self.path), map_size=self.limit_bytes, subdir=True, sync=self._fsync,
+        return lmdb.open(str(self.path), map_size=self.file_limit, subdir=True, sync=self._fsync,
                          metasync=self._fsync, readahead=False, max_dbs=0)
 
     def __len__(self) -> int:
@@ -116,6 +127,8 @@ class UploadJournal:
         return done + [h for h, _ in new]
 
     def _put(self, items: Sequence[Item]) -> bool:
+        if self._live_bytes() + sum(_footprint(obj.numel()) for _, obj in items) > self.limit_bytes - self._reserve:
+            return False  # a reserve short of the bound, and another past it (the file's): pages for deletes
         try:
             with self._env.begin(write=True) as txn:
                 for h, obj in items:
@@ -126,6 +139,11 @@ class UploadJournal:
         except lmdb.Error as e:  # the disk refused (full, failing): as good as full
             log.warning("upload journal %s: write failed: %s", self.path, e)
             return False
+
+    def _live_bytes(self) -> int:
+        """Bytes of the pages the entries use now (freed pages not counted: lmdb reuses them)."""
+        st = self._env.stat()
+        return (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"] + 4) * st["psize"]
 
     def forget(self, hashes: Sequence[BlockHash]) -> None:
         """Drop entries (their tier holds them now, or they were deleted)."""
@@ -144,18 +162,22 @@ class UploadJournal:
         with self._lock:
             return [h for h, _ in zip(self._sizes, range(n))]
 
-    def read(self, hashes: Sequence[BlockHash]) -> list[Item]:
-        """(hash, object) of each of `hashes` the journal holds."""
-        out = []
+    def read(self, hashes: Sequence[BlockHash]) -> tuple[list[Item], list[BlockHash]]:
+        """((hash, object) of each of `hashes` the journal holds, those it
+        does not hold). A read that fails leaves the rest in neither list:
+        an error may pass, and their entries stand."""
+        out, missing = [], []
         try:
             with self._env.begin(buffers=True) as txn:
                 for h in hashes:
                     v = txn.get(bytes(h))
-                    if v is not None:
+                    if v is None:
+                        missing.append(h)
+                    else:
                         out.append((h, torch.frombuffer(bytearray(v), dtype=torch.uint8)))
-        except lmdb.Error as e:  # what was read stands; the rest is reported missing
+        except lmdb.Error as e:
             log.warning("upload journal %s: reading failed: %s", self.path, e)
-        return out
+        return out, missing
 
     def file_bytes(self) -> int:
         """The journal file's size on disk (what its bound limits)."""

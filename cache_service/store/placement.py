@@ -120,10 +120,10 @@ class Placement:
         """The next batch to retry for tier i (None: nothing is waiting)."""
         journal = self.state.journals[i]
         if journal is not None and (hs := journal.oldest(batch)):
-            items = journal.read(hs)
-            journal.forget([h for h in set(hs) - {h for h, _ in items}])  # unreadable: not to be retried forever
-            self._lost(i, len(hs) - len(items))
-            return items
+            items, missing = journal.read(hs)
+            journal.forget(missing)  # gone from its file: not to be retried forever
+            self._lost(i, len(missing))
+            return items if items or missing else None  # nothing read (a failing read): the next tick tries again
         later = self.state.deferred[i]
         with self.state.meta:
             hs = [later.popitem(last=False)[0] for _ in range(min(batch, len(later)))]

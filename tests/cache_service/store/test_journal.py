@@ -6,6 +6,9 @@ taken down, standing in for S3's availability; tests/reliability/test_journal.py
 runs the same story against a real S3 gateway and a SIGKILLed daemon.)"""
 from __future__ import annotations
 
+import lmdb
+import torch
+
 from cache_service.blocks.objects import decode
 from cache_service.store.eviction import make_policy
 from cache_service.store.journal import UploadJournal
@@ -99,9 +102,9 @@ def test_the_bound_holds_and_what_it_refuses_is_counted(tmp_path):
     for k in range(0, 2000, 100):
         store.store(NS, hs[k:k + 100], [payload_for(h) for h in hs[k:k + 100]])
         assert store.flush(10)
-        assert journal.file_bytes() <= MB
+        assert journal.file_bytes() <= journal.file_limit <= MB + MB // 4
     s = store.stats()["disk"]
-    # The file never outgrew the bound; every block is journaled or counted refused.
+    # The file never outgrew its bound; every block is journaled or counted refused.
     assert 0 < s["journal_blocks"] < 2000 and s["journal_blocks"] + s["journal_refused"] == 2000
     # The refused ones were kept in memory (their bytes still above): all land once the tier is back.
     lower.down = False
@@ -117,3 +120,34 @@ def test_a_damaged_journal_is_set_aside_and_started_empty(tmp_path):
     journal = UploadJournal(path, MB, fsync=False)
     assert len(journal) == 0 and list(tmp_path.glob("journal.damaged-*"))
     journal.close()
+
+
+class _FailingOnce:
+    """The journal's lmdb environment, failing the next transaction of a kind (`write` or not) once."""
+
+    def __init__(self, env, write: bool) -> None:
+        self.env, self.write, self.failed = env, write, False
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def begin(self, write: bool = False, **kw):
+        if write == self.write and not self.failed:
+            self.failed = True
+            raise lmdb.ReadersFullError("a transient failure")
+        return self.env.begin(write=write, **kw)
+
+
+def test_a_failing_journal_read_keeps_its_entries_for_the_next_tick(tmp_path):
+    store, lower = open_pair(tmp_path, down=True)
+    journal, hs = store._state.journals[1], hashes(6)
+    # Refused while the tier is down: journaled.
+    store.store(NS, hs, [payload_for(h) for h in hs])
+    assert store.flush(10) and len(journal) == 6
+    # The tier comes back, and the journal's first read fails (a full reader table, an I/O error that passes).
+    journal._env = _FailingOnce(journal._env, write=False)
+    lower.down = False
+    # Nothing is forgotten or counted lost for it: the next tick reads them and they land.
+    assert until(lambda: in_lower(lower, hs)) and journal._env.failed
+    assert store.stats()["disk"]["lost"] == 0 and len(journal) == 0
+    store.close()
