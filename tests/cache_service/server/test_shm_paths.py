@@ -20,15 +20,25 @@ from tests.cache_service.server.test_servicer import code_of, intact, put, raw, 
 S = object_size(NS)
 
 
-def test_store_shm_refuses_objects_that_do_not_match_what_was_sent(start):
-    d = start()
-    stub, hs = raw(d), hashes(3)
+def attached(stub, hs) -> tuple[Segment, str]:
+    """A segment of room for 4 objects, attached to the daemon, holding the objects of `hs` back to back."""
     seg = Segment(4 * S)
     try:
         aid = stub.Attach(pb.AttachRequest(name=seg.name, nonce=seg.nonce)).attachment
+    except BaseException:
+        seg.close()
+        raise
+    for i, h in enumerate(hs):
+        encode_into(seg.data[i * S: (i + 1) * S], NS, h, payload_for(h))
+    return seg, aid
+
+
+def test_store_shm_refuses_objects_that_do_not_match_what_was_sent(start):
+    d = start()
+    stub, hs = raw(d), hashes(3)
+    seg, aid = attached(stub, hs)
+    try:
         req = pb.ShmRequest(ns=ns_to_pb(NS), hashes=hs, attachment=aid)
-        for i, h in enumerate(hs):
-            encode_into(seg.data[i * S: (i + 1) * S], NS, h, payload_for(h))
         # a payload byte changed after encoding: refused, nothing stored
         seg.data[2 * S + HEADER_SIZE + 5] ^= 1
         code, why = code_of(lambda: stub.StoreShm(req))
@@ -82,11 +92,8 @@ def test_a_caller_holding_the_whole_segment_still_gets_answers(start):
 def test_a_segment_cut_short_under_the_daemon_is_refused_not_a_crash(start):
     d = start()
     stub, hs = raw(d), hashes(2)
-    seg = Segment(4 * S)
+    seg, aid = attached(stub, hs)
     try:
-        aid = stub.Attach(pb.AttachRequest(name=seg.name, nonce=seg.nonce)).attachment
-        for i, h in enumerate(hs):
-            encode_into(seg.data[i * S: (i + 1) * S], NS, h, payload_for(h))
         # The client cuts its segment's file short: touching those pages would kill the daemon (SIGBUS).
         os.truncate(seg.path, 4096)
         req = pb.ShmRequest(ns=ns_to_pb(NS), hashes=hs, attachment=aid)
