@@ -8,7 +8,9 @@ and places; writers hold objects in the in-flight map (under ``meta``)
 until they land, so a block stays visible while it moves down. The map
 counts each queued object apart (by identity): a delete drops every write
 of its blocks queued so far, and a write that ends later cannot end one
-queued since (nor a slot hold taken for it, `keep`).
+queued since (nor a slot hold taken for it, `keep`). Bytes read before they
+are queued or put (victims, promotions, the retry tick's backlog) carry a
+delete log mark (deletes.py): a delete after the read still wins.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 
 from cache_service.blocks.keys import Namespace
 from cache_service.blocks.objects import decode, intact
+from cache_service.store.backlog import Backlog
 from cache_service.store.state import StoreState
 from cache_service.store.writer import Item
 from tiers.base import Tier
@@ -26,7 +29,6 @@ from tiers.types import BlockHash, CapacityError, CorruptBlockError
 
 log = logging.getLogger("tierkv.store")
 _MAX_BELOW_HITS = 1 << 16  # blocks whose lower-tier hits are remembered (oldest forgotten first)
-_MAX_DEFERRED = 1 << 20  # blocks a down tier refused, remembered to write once it is back
 
 
 class Placement:
@@ -34,34 +36,45 @@ class Placement:
 
     def __init__(self, state: StoreState) -> None:
         self.state = state
+        self.backlog = Backlog(state, self.put)  # what tiers refused while down, and the retry tick
 
     def put(self, i: int, items: Sequence[Item], owned: bool = True, retry: bool = False,
-            queued: bool = False) -> set[BlockHash]:
+            queued: bool = False, since: int | None = None) -> set[BlockHash]:
         """Put items into tier i, evicting as needed; victims and items that
         cannot fit go down (copied first unless `owned`: the caller's buffers
         may be reused), or are deferred while tier i is down (always when
         `retry`: they were deferred before). `queued`: the items are a
-        writer's, put only while still in flight (under the tier's lock, so
-        a delete that ran first wins). Returns the hashes now held by tier i."""
+        writer's, put only while still in flight; `since`: a delete log mark
+        taken before the items were read, put only if not deleted since
+        (both checked under the tier's lock, so a delete that ran first
+        wins). Returns the hashes now held by tier i."""
         tier, pol = self.state.tiers[i], self.state.policies[i]
         victims: list[Item] = []
+        mark = self.state.deletes.mark() if since is None else since  # before any victim is read out
         with self.state.locks[i]:
             if queued:
                 items = self._live(items)
+            if since is not None:
+                items = self._undeleted(since, items)
             todo = [it for it, ok in zip(items, self._holds(i, [h for h, _ in items])) if not ok]
-            ok = self._put_locked(i, todo, victims)
+            ok = self._put_locked(i, todo, victims, mark)
             pol.insert_many([h for (h, _), good in zip(todo, ok) if good])
         self.state.publish(i, [h for (h, _), good in zip(todo, ok) if good])
         held = {h for h, _ in items} - {h for (h, _), good in zip(todo, ok) if not good}
-        self.evicted(i, victims)
+        self.evicted(i, victims, mark)
         bypassed = [it for it, good in zip(todo, ok) if not good]
         if i and bypassed and (retry or not tier.available()):  # down for now: written once it is back
-            self._defer(i, bypassed)
+            self.backlog.defer(i, bypassed, mark)
             bypassed = []
         if not owned and i + 1 < len(self.state.tiers):
             bypassed = [(h, obj.clone()) for h, obj in bypassed]
-        self.demote(i, bypassed, "bypassed")
+        self.demote(i, bypassed, "bypassed", mark)
         return held
+
+    def _undeleted(self, mark: int, items: Sequence[Item]) -> list[Item]:
+        """Those of items not deleted since `mark` (deletes.py)."""
+        gone = self.state.deletes.deleted(mark, [h for h, _ in items])
+        return [it for it in items if it[0] not in gone] if gone else list(items)
 
     def _holds(self, i: int, hashes: Sequence[BlockHash]) -> list[bool]:
         """Whether tier i holds each block sound: a tier that `rechecks` reads
@@ -77,94 +90,23 @@ class Placement:
                 held = [ok and h not in bad for h, ok in zip(hashes, held)]
         return held
 
-    def _defer(self, i: int, items: Sequence[Item]) -> None:
-        """Remember blocks tier i refused while down: in its upload journal
-        (durable, with their bytes) when it has one, else, or past the
-        journal's bound, their hashes in memory (their bytes stay in the
-        tiers above); that set is bounded, the oldest dropped first."""
-        journal = self.state.journals[i]
-        kept = set(journal.record(items)) if journal is not None else set()
-        with self.state.meta:
-            later = self.state.deferred[i]
-            later.update(dict.fromkeys(h for h, _ in items if h not in kept))
-            over = max(0, len(later) - _MAX_DEFERRED)
-            for _ in range(over):
-                later.popitem(last=False)
-        self.state.count(i, deferred=len(items), dropped=over)
-
-    def retry_deferred(self, i: int, batch: int = 64, most: int = 4096) -> bool:
-        """Writer i's tick: once tier i is available again, write the blocks it
-        refused while down: its journal's oldest first, then those remembered
-        in memory, read back from the tiers above (one that left them
-        meanwhile is lost, counted and logged; one refused again is
-        deferred again, and the tick ends). Live writes are not starved: once
-        a batch is done and new work waits in the writer's queue, the tick
-        ends and returns True (more to do: tick again after the next live
-        batch), so an outage's backlog and the live stores behind it take turns."""
-        done, journal = 0, self.state.journals[i]
-        while done < most and self.state.tiers[i].available():
-            if done and self.state.writers[i].depth():
-                return bool(self.state.deferred[i]) or bool(journal and len(journal))
-            items = self._next_deferred(i, batch)
-            if items is None:
-                return False
-            held = self.put(i, items, retry=True)
-            if journal is not None:
-                journal.forget(list(held))
-            if len(held) < len(items):
-                return False  # refused again (a service still coming back, say): kept for a later tick
-            done += max(1, len(items))
-        return False
-
-    def _next_deferred(self, i: int, batch: int) -> list[Item] | None:
-        """The next batch to retry for tier i (None: nothing is waiting)."""
-        journal = self.state.journals[i]
-        if journal is not None and (hs := journal.oldest(batch)):
-            items, missing = journal.read(hs)
-            journal.forget(missing)  # gone from its file: not to be retried forever
-            self._lost(i, len(missing))
-            return items if items or missing else None  # nothing read (a failing read): the next tick tries again
-        later = self.state.deferred[i]
-        with self.state.meta:
-            hs = [later.popitem(last=False)[0] for _ in range(min(batch, len(later)))]
-        if not hs:
-            return None
-        items = self._read_above(i, hs)
-        self._lost(i, len(hs) - len(items))
-        return items
-
-    def _lost(self, i: int, n: int) -> None:
-        """n blocks bound for tier i can no longer reach it (no copy left to send)."""
-        if n:
-            self.state.count(i, lost=n)
-            log.warning("%d blocks bound for tier %s were lost (no copy left to write)", n, self.state.tiers[i].name)
-
-    def _read_above(self, i: int, hashes: Sequence[BlockHash]) -> list[Item]:
-        """(hash, object) of each of `hashes` some tier above i holds."""
-        found: dict[BlockHash, torch.Tensor] = {}
-        for tier in self.state.tiers[:i]:
-            todo = [h for h in hashes if h not in found]
-            if not todo:
-                break
-            found.update((h, obj) for h, obj in zip(todo, tier.get_many(todo)) if obj is not None)
-        return [(h, found[h]) for h in hashes if h in found]
-
-    def _put_locked(self, i: int, todo: Sequence[Item], victims: list[Item]) -> list[bool]:
+    def _put_locked(self, i: int, todo: Sequence[Item], victims: list[Item], mark: int) -> list[bool]:
         tier = self.state.tiers[i]
         try:
             need = sum(tier.footprint(obj.numel()) for _, obj in todo)
         except CapacityError:
             return [False] * len(todo)
-        self.make_room(i, need, victims)
+        self.make_room(i, need, victims, mark)
         try:
             return tier.put_many([h for h, _ in todo], [obj for _, obj in todo])
         except CapacityError:  # one object can never fit: place the others one by one
             return [self._put_one(tier, it) for it in todo]
 
-    def make_room(self, i: int, need: int, victims: list[Item]) -> None:
+    def make_room(self, i: int, need: int, victims: list[Item], mark: int) -> None:
         """Evict from tier i (caller holds its lock) until `need` bytes are free
         or only pinned blocks are left; each victim, with its object when a
-        tier below can take it, goes into `victims` (see `evicted`)."""
+        tier below can take it, goes into `victims` (see `evicted`; `mark`:
+        the delete log's, taken before the victims are read)."""
         tier = self.state.tiers[i]
         while (short := need - tier.free_bytes()) > 0:
             # as many victims as the tier's average block frees that much: one batched read and delete
@@ -175,7 +117,7 @@ class Placement:
             if not picked:
                 break
             objs = self._victim_objects(i, picked)
-            self._journal_victims(i + 1, picked, objs)
+            self._journal_victims(i + 1, picked, objs, mark)
             tier.delete_many(picked)
             self.state.publish(i, picked, present=False)
             victims.extend(zip(picked, objs))  # counted as evictions even with nowhere to go
@@ -198,18 +140,20 @@ class Placement:
             self.state.count(i, corrupt=len(bad))
         return [got.get(h) for h in picked]
 
-    def _journal_victims(self, i: int, picked: Sequence[BlockHash], objs: Sequence[torch.Tensor | None]) -> None:
+    def _journal_victims(self, i: int, picked: Sequence[BlockHash], objs: Sequence[torch.Tensor | None],
+                         mark: int) -> None:
         """Before victims leave the tier above tier i: those tier i (a
         journaled one) does not hold yet go into its journal, so a write-back
         victim survives a crash or an outage before it lands."""
-        journal = self.state.journals[i] if i < len(self.state.tiers) else None
-        if journal is not None:
-            journal.record([(h, o) for h, o in zip(picked, objs) if o is not None and not self.below_has(i, h)])
+        if i < len(self.state.tiers) and self.state.journals[i] is not None:
+            todo = [(h, o) for h, o in zip(picked, objs) if o is not None and not self.below_has(i, h)]
+            self.backlog.record(i, todo, mark)
 
-    def evicted(self, i: int, victims: Sequence[Item]) -> None:
-        """Count `make_room`'s victims and send them down (outside the tier's lock)."""
+    def evicted(self, i: int, victims: Sequence[Item], mark: int) -> None:
+        """Count `make_room`'s victims and send them down (outside the tier's
+        lock), unless deleted since `mark`."""
         self.state.count(i, evictions=len(victims))
-        self.demote(i, [v for v in victims if v[1] is not None], "demoted")
+        self.demote(i, [v for v in victims if v[1] is not None], "demoted", mark)
 
     @staticmethod
     def _put_one(tier: Tier, item: Item) -> bool:
@@ -218,8 +162,9 @@ class Placement:
         except CapacityError:
             return False
 
-    def demote(self, i: int, items: Sequence[Item], counter: str) -> None:
-        """Send items evicted from (or not fitting in) tier i to tier i + 1."""
+    def demote(self, i: int, items: Sequence[Item], counter: str, since: int | None = None) -> None:
+        """Send items evicted from (or not fitting in) tier i to tier i + 1
+        (those deleted since `since`, a delete log mark, stay behind)."""
         if not items:
             return
         if i + 1 >= len(self.state.tiers):
@@ -227,18 +172,21 @@ class Placement:
             return
         todo = [it for it in items if not self.below_has(i + 1, it[0])]
         self.state.count(i, **{counter: len(todo)})
-        self.submit(i + 1, todo)
+        self.submit(i + 1, todo, since=since)
 
     def below_has(self, i: int, h: BlockHash) -> bool:
         """Whether tier i holds `h` already (no need to write it there)."""
         return self.state.tiers[i].contains_many([h])[0]
 
-    def submit(self, i: int, items: Sequence[Item], wait: bool | None = None) -> None:
+    def submit(self, i: int, items: Sequence[Item], wait: bool | None = None, since: int | None = None) -> None:
         """Queue items for writer i, in the in-flight map until they land (a
-        full queue waits or drops, per ``cfg.queue_full`` unless `wait` says)."""
+        full queue waits or drops, per ``cfg.queue_full`` unless `wait` says;
+        items deleted since `since`, a delete log mark, are not queued)."""
         st = self.state
         wait = st.cfg.queue_full == "wait" if wait is None else wait
-        with st.meta:
+        with st.meta:  # a delete empties the in-flight map of its blocks under meta, after it starts
+            if since is not None:
+                items = self._undeleted(since, items)
             for h, obj in items:
                 st.inflight.setdefault(h, {}).setdefault(id(obj), [obj, 0])[1] += 1
                 if id(obj) in st.holds:
@@ -311,10 +259,15 @@ class Placement:
         finally:
             self._release(batch)
 
-    def quarantine(self, i: int, hashes: Sequence[BlockHash]) -> None:
+    def quarantine(self, i: int, hashes: Sequence[BlockHash], seen: Sequence[torch.Tensor] | None = None) -> None:
         """Blocks tier i holds damaged: set aside there, dropped from its policy
-        and the directory, counted as corrupt."""
-        with self.state.locks[i]:
+        and the directory, counted as corrupt. `seen`: the objects found
+        damaged; a block whose object in the tier differs now (deleted and
+        stored again since the read) is left alone."""
+        with self.state.locks[i]:  # no put into tier i between the comparison and the quarantine
+            if seen is not None:
+                now = self.state.tiers[i].get_many(hashes)
+                hashes = [h for h, o, s in zip(hashes, now, seen) if o is not None and torch.equal(o, s)]
             self.state.tiers[i].quarantine(hashes)
             for h in hashes:
                 self.state.policies[i].remove(h)
@@ -334,23 +287,24 @@ class Placement:
                     seen_before.popitem(last=False)
         return seen >= n
 
-    def promote(self, hits: Sequence[tuple[int, BlockHash, torch.Tensor]]) -> None:
+    def promote(self, hits: Sequence[tuple[int, BlockHash, torch.Tensor]], mark: int) -> None:
         """Hits from tier i go into tiers 0..i-1 in the background, so a load
-        never waits on a copy into another tier. A full promotion queue drops
-        them (the block is still where it was found)."""
+        never waits on a copy into another tier (unless deleted since `mark`,
+        the delete log's, taken before they were read). A full promotion
+        queue drops them (the block is still where it was found)."""
         for i in range(len(self.state.tiers) - 1, 0, -1):
             items = [(h, obj) for k, h, obj in hits if k == i]
             if not items:
                 continue
-            self.submit(0, items, wait=False)
+            self.submit(0, items, wait=False, since=mark)
             for up in range(1, i):
-                self.submit(up, items)
+                self.submit(up, items, since=mark)
 
     def prefetch(self, ns: Namespace, hashes: Sequence[BlockHash]) -> int:
         """`TieredStore.prefetch`: the blocks below the top tier are read here,
         checked (a corrupt one is left where it is, for a load to quarantine)
         and promoted in the background whatever their hit counts."""
-        tiers = self.state.tiers
+        tiers, mark = self.state.tiers, self.state.deletes.mark()
         todo = [h for h, ok in zip(hashes, tiers[0].contains_many(hashes)) if not ok]
         hits: list[tuple[int, BlockHash, torch.Tensor]] = []
         for i in range(1, len(tiers)):
@@ -360,7 +314,7 @@ class Placement:
             objs = tiers[i].get_many(todo)
             hits += [(i, h, obj) for h, obj in zip(todo, objs) if obj is not None and _sound(obj, ns, h)]
             todo = [h for h, obj in zip(todo, objs) if obj is None]
-        self.promote(hits)
+        self.promote(hits, mark)
         return len(hits)
 
 

@@ -58,8 +58,8 @@ class SharedSlots:
         with self.state.locks[0]:
             held = pool.contains_many(keys)
             todo = [k for k, ok in zip(keys, held) if not ok]
-            slots, victims = self._make_slots(pool, size, len(set(todo)), lambda: pool.reserve(todo, size))
-        self._victims_down(pool, victims, slots)
+            slots, victims, mark = self._make_slots(pool, size, len(set(todo)), lambda: pool.reserve(todo, size))
+        self._victims_down(pool, victims, mark, slots)
         self.state.touch(0, [k for k, ok in zip(keys, held) if ok])
         got = iter(slots or [None] * len(todo))
         out = []
@@ -81,10 +81,10 @@ class SharedSlots:
         if n <= 0:
             return []
         with self.state.locks[0]:
-            slots, victims = self._make_slots(pool, size, n, lambda: pool.reserve_free(n, size))
+            slots, victims, mark = self._make_slots(pool, size, n, lambda: pool.reserve_free(n, size))
         self.spares_done(n - len(slots or []))
         try:
-            self._victims_down(pool, victims, slots)
+            self._victims_down(pool, victims, mark, slots)
         except BaseException:
             self.spares_done(len(slots or []))
             raise
@@ -95,21 +95,23 @@ class SharedSlots:
         with self.state.meta:
             self.state.spares_out -= n
 
-    def _make_slots(self, pool: SlotTier, size: int, n: int, take) -> tuple[list | None, list[Item]]:
+    def _make_slots(self, pool: SlotTier, size: int, n: int, take) -> tuple[list | None, list[Item], int]:
         """take() after evicting room for n objects of `size` (caller holds the
         top tier's lock): (its slots, or None when the objects cannot fit a
-        slot; the victims, for `_victims_down` once the lock is released)."""
+        slot; the victims and a delete log mark taken before they were read,
+        for `_victims_down` once the lock is released)."""
         victims: list[Item] = []
+        mark = self.state.deletes.mark()
         try:
-            self.placement.make_room(0, n * pool.footprint(size), victims)
+            self.placement.make_room(0, n * pool.footprint(size), victims, mark)
         except CapacityError:
-            return None, victims
-        return take(), victims
+            return None, victims, mark
+        return take(), victims, mark
 
-    def _victims_down(self, pool: SlotTier, victims: list[Item], slots: list | None) -> None:
+    def _victims_down(self, pool: SlotTier, victims: list[Item], mark: int, slots: list | None) -> None:
         """`Placement.evicted`; if that fails, the slots just taken go back first, so none is lost."""
         try:
-            self.placement.evicted(0, victims)
+            self.placement.evicted(0, victims, mark)
         except BaseException:
             pool.unreserve([s for s in slots or [] if s is not None])
             raise

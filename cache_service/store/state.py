@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from cache_service.config import StoreConfig
+from cache_service.store.deletes import DeleteLog
 from cache_service.store.eviction.base import EvictionPolicy
 from cache_service.store.pins import PinBook
 from tiers.base import Tier
@@ -49,6 +50,7 @@ class StoreState:
     counters: list[dict[str, int]] = field(init=False)
     # writer 0 promotes hits into the top tier; writer i > 0 fills tier i (set by the store once built)
     writers: list["TierWriter"] = field(default_factory=list)
+    deletes: DeleteLog = field(default_factory=DeleteLog)  # its own lock (a leaf, like the pins')
     spares_out: int = 0  # spare slots handed out and not yet committed or handed back
     # per tier: its upload journal (journal.py) or None; the deferred set then holds only what the journal refused
     journals: list["UploadJournal | None"] = field(default_factory=list)

@@ -78,7 +78,7 @@ class TieredStore:
         self._slots = SharedSlots(st, moves)
         # writer 0 promotes hits into the top tier; writer i > 0 fills tier i
         st.writers[:] = [TierWriter(t.name if i else f"{t.name}-promote", st.cfg.queue_depth, partial(moves.persist, i),
-                                    tick=partial(moves.retry_deferred, i) if i else None)
+                                    tick=partial(moves.backlog.retry, i) if i else None)
                          for i, t in enumerate(st.tiers)]
         for pol, tier in zip(st.policies, st.tiers):
             for h in tier.keys() if pol.rebuilt_from_keys else ():  # oldest first: recency survives a restart
@@ -131,7 +131,7 @@ class TieredStore:
         got = [False] * len(hashes)
         remaining = list(range(len(hashes)))
         promote: list[tuple[int, BlockHash, torch.Tensor]] = []
-        i = 0
+        i, mark = 0, self._state.deletes.mark()  # hits read before a delete are not promoted after it
         while remaining and i < len(self.tiers) and isinstance(self.tiers[i], SlotTier):
             good = self._copied_in(i, ns, hashes, outs, rows, remaining)
             if good is None:
@@ -146,7 +146,7 @@ class TieredStore:
                     missed.append(j)
             self._settle(i, hashes, remaining, missed)
             remaining, i = missed, i + 1
-        self._placement.promote(promote)
+        self._placement.promote(promote, mark)
         if remaining:
             for j, p in zip(remaining, self._load_from(i, ns, [hashes[j] for j in remaining])):
                 if p is not None:
@@ -175,13 +175,13 @@ class TieredStore:
         (asked after them, it could leave the map between the two reads)."""
         out: list[torch.Tensor | None] = [None] * len(hashes)
         promote: list[tuple[int, BlockHash, torch.Tensor]] = []
-        remaining = list(range(len(hashes)))
+        remaining, mark = list(range(len(hashes))), self._state.deletes.mark()
         if first == 0:
             remaining = self._read_tiers(0, 1, ns, hashes, remaining, out, promote)
         self._load_inflight(ns, hashes, remaining, out)
         remaining = [j for j in remaining if out[j] is None]
         self._read_tiers(max(first, 1), len(self.tiers), ns, hashes, remaining, out, promote)
-        self._placement.promote(promote)
+        self._placement.promote(promote, mark)
         return out
 
     def _read_tiers(self, first: int, end: int, ns: Namespace, hashes: Sequence[BlockHash], remaining: list[int],
@@ -237,7 +237,7 @@ class TieredStore:
             return decode(obj, ns, h, verify_payload=self.tiers[i].verify_payload)
         except CorruptBlockError as e:
             log.warning("tier %s: block %s is corrupt (%s); quarantined", self.tiers[i].name, h.hex(), e)
-            self._quarantine(i, h)
+            self._placement.quarantine(i, [h], [obj])
             return None
 
     def _load_inflight(self, ns: Namespace, hashes: Sequence[BlockHash], todo: list[int], out: list) -> None:
@@ -329,19 +329,23 @@ class TieredStore:
     # ------------------------------------------------------------------ admin
     def delete(self, hashes: Sequence[BlockHash]) -> int:
         """Remove blocks from every tier; returns how many tier copies went."""
-        with self._state.meta:
-            for h in hashes:
-                self._state.inflight.pop(h, None)
-        self._state.pins.forget(hashes)
-        n = 0
-        for journal in filter(None, self._state.journals):  # not to be uploaded after all
-            journal.forget(hashes)
-        for i, tier in enumerate(self.tiers):
-            with self._state.locks[i]:
-                n += tier.delete_many(hashes)
+        st = self._state
+        with st.deletes.deleting(hashes):  # no write of bytes read before this lands after it (deletes.py)
+            with st.meta:
                 for h in hashes:
-                    self._state.policies[i].remove(h)
-            self._state.publish(i, hashes, present=False)
+                    st.inflight.pop(h, None)
+                    for later in st.deferred:
+                        later.pop(h, None)
+            st.pins.forget(hashes)
+            n = 0
+            for journal in filter(None, st.journals):  # not to be uploaded after all
+                journal.forget(hashes)
+            for i, tier in enumerate(self.tiers):
+                with st.locks[i]:
+                    n += tier.delete_many(hashes)
+                    for h in hashes:
+                        st.policies[i].remove(h)
+                st.publish(i, hashes, present=False)
         return n
 
     @property
@@ -353,9 +357,6 @@ class TieredStore:
         """Copy those of `hashes` held only below into the top tier now, in
         the background (a session about to resume); returns how many were queued."""
         return self._placement.prefetch(ns, hashes)
-
-    def _quarantine(self, i: int, h: BlockHash) -> None:
-        self._placement.quarantine(i, [h])
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier: store counters (hits, misses, evictions, corrupt, ...)
