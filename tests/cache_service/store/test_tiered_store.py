@@ -119,6 +119,28 @@ def test_foreign_object_with_valid_file_checksum_is_quarantined(tmp_path):
     store.close()
 
 
+def test_a_good_copy_stored_after_a_bad_read_is_not_quarantined(tmp_path):
+    # another tenant's object sits on disk under our key
+    hs = hashes(1)
+    store = make_store(tmp_path)
+    foreign = encode(NS.with_tenant("intruder"), hs[0], payload_for(hs[0]))
+    assert store.tiers[1].put_many(hs, [foreign]) == [True]
+    # a load reads it; before the store takes it out, the block is deleted and stored again, sound
+    quarantine, disk = store._placement.quarantine, store.tiers[1]
+
+    def after_a_re_put(i, hashes, *a):
+        disk.delete_many(hs)
+        disk.put_many(hs, [encode(NS, hs[0], payload_for(hs[0]))])
+        return quarantine(i, hashes, *a)
+
+    store._placement.quarantine = after_a_re_put
+    assert store.load(NS, hs) == [None]
+    # the quarantine leaves the good copy in service: the next load hits it
+    store._placement.quarantine = quarantine
+    assert disk.contains_many(hs) == [True] and same(store.load(NS, hs)[0], payload_for(hs[0]))
+    store.close()
+
+
 def test_pinned_blocks_survive_pressure_until_their_ttl(tmp_path):
     # a CPU-only store holds 8 blocks; 3 are pinned for 1.5 s
     store = make_store(tmp_path, cpu_blocks=8, disk_blocks=None)
