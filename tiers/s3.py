@@ -22,9 +22,9 @@ them); bucket-wide, a lifecycle rule (``set_expiration``) is the backstop.
 Failures. 404 is a miss. Any other failure is a miss, or a put returning
 False, counted in ``stats.errors`` and logged at a bounded rate; nothing is
 raised to the store. After a transport failure or a 5xx the tier leaves S3
-alone for ``retry_after_s``, doubled for each failure right after a pause up
-to 8x (reads miss, writes fail at once), so an outage costs callers misses, not waits. Only bad settings or credentials raise, at
-construction; an endpoint unreachable at open is an outage (starts empty).
+alone for a while (``s3_io.Outage``), so an outage costs callers misses, not
+waits. Only bad settings or credentials raise, at construction; an endpoint
+unreachable at open is an outage (starts empty, lists once S3 answers).
 
 Integrity is end to end: objects carry an xxh3 payload checksum the store
 verifies on load (``verify_payload``), so botocore's per-request checksums
@@ -32,7 +32,6 @@ are left at "when required". Request helpers live in ``tiers/s3_io.py``.
 """
 from __future__ import annotations
 
-import io
 import logging
 import threading
 import time
@@ -48,7 +47,7 @@ from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
 
 from tiers import s3_io
 from tiers.base import ByteBudget, Tier
-from tiers.s3_io import AUTH, MIB, MISSING, Throttled, error_code, looks_down, read_body, validate
+from tiers.s3_io import AUTH, MIB, MISSING, Outage, Throttled, error_code, looks_down, read_body, validate
 from tiers.types import BlockHash, ConfigError, TierKVError
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,6 @@ _NO_NS = "0" * 32  # objects too short to carry a header (never written by the s
 def _namespace_of(obj: torch.Tensor) -> str:
     """Namespace fingerprint (hex) from a block object's header, bytes 8..24."""
     return bytes(obj[8:24].tolist()).hex() if obj.numel() >= 24 else _NO_NS
-_DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 limit)
 T = TypeVar("T")
 
 
@@ -87,7 +85,7 @@ class S3Tier(ByteBudget, Tier):
                  connect_timeout, read_timeout, retries, capacity_bytes)
         super().__init__(capacity_bytes)
         self.bucket, self.prefix = bucket, prefix
-        self.retry_after_s = retry_after_s
+        self._outage = Outage(retry_after_s)
         cfg = BotoConfig(
             region_name=region, s3={"addressing_style": addressing_style},
             connect_timeout=connect_timeout, read_timeout=read_timeout,
@@ -103,13 +101,12 @@ class S3Tier(ByteBudget, Tier):
                                         max_concurrency=max_concurrency)
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="tierkv-s3")
         self._lock = threading.Lock()
+        self._opening = threading.Lock()  # the bucket's check and listing, when open could not do them
         self._index: dict[BlockHash, list[int]] = {}  # counted blocks: hash -> [size, last use ns]
         self._foreign: dict[BlockHash, int] = {}  # found, not counted: hash -> size
         self._ns: dict[BlockHash, str] = {}  # namespace hex of every block in _index or _foreign
         self._namespaces: dict[str, None] = {}  # namespaces seen or noted, most recent last
         self._used = self._reserved = 0
-        self._down_until = 0.0
-        self._pause = retry_after_s  # the current pause after an outage-like failure (doubles, up to 8x)
         self._ready = False  # bucket checked/created
         self._closed = False
         self._warn = Throttled(log)
@@ -142,16 +139,25 @@ class S3Tier(ByteBudget, Tier):
         except (BotoCoreError, ClientError) as e:
             if error_code(e) in AUTH or isinstance(e, ParamValidationError):
                 raise ConfigError(f"s3 tier: bucket {self.bucket!r}: {e}") from None
-            log.warning("s3 tier: %s unreachable at open (%s); starting empty", self.bucket, e)
-            self._trip()
+            log.warning("s3 tier: %s unreachable at open (%s); starting empty, listed once it answers",
+                        self.bucket, e)
+            self._outage.trip()
             return
+        self._index_listing()
+
+    def _index_listing(self) -> None:
+        """Count every block under the prefix this tier does not know yet
+        (all of them at open; after an outage at open, those written before it)."""
         found = self._list()
         with self._lock:
-            for h, (size, mtime, ns) in found.items():
+            new = {h: v for h, v in found.items() if h not in self._index}
+            for h, (size, mtime, ns) in new.items():
+                self._foreign.pop(h, None)
                 self._index[h] = [size, mtime]
                 self._learn(h, ns)
-            self._used = sum(e[0] for e in self._index.values())
-            self.stats.add(blocks=len(self._index), used_bytes=self._used)
+            nbytes = sum(size for size, _, _ in new.values())
+            self._used += nbytes
+            self.stats.add(blocks=len(new), used_bytes=nbytes)
 
     def _ensure_bucket(self) -> None:
         s3_io.ensure_bucket(self._client, self.bucket)
@@ -209,13 +215,9 @@ class S3Tier(ByteBudget, Tier):
         if not self._usable():
             self.stats.add(errors=1)
             return False
-        data = obj.cpu().numpy().tobytes()
         try:
-            if len(data) >= self._transfer.multipart_threshold:
-                self._client.upload_fileobj(io.BytesIO(data), self.bucket, self.key_of(h, _namespace_of(obj)),
-                                            Config=self._transfer)
-            else:
-                self._client.put_object(Bucket=self.bucket, Key=self.key_of(h, _namespace_of(obj)), Body=data)
+            s3_io.upload(self._client, self.bucket, self.key_of(h, _namespace_of(obj)),
+                         obj.cpu().numpy().tobytes(), self._transfer)
             return True
         except (BotoCoreError, ClientError) as e:
             self._fail("put", h.hex(), e)
@@ -230,8 +232,8 @@ class S3Tier(ByteBudget, Tier):
         with self._lock:
             self._check_open()
             known = self._forget(hashes)
-        for start in range(0, len(keys), _DELETE_BATCH):
-            self._delete_keys(keys[start:start + _DELETE_BATCH])
+        for start in range(0, len(keys), s3_io.DELETE_BATCH):
+            self._delete_keys(keys[start:start + s3_io.DELETE_BATCH])
         return known
 
     def _delete_keys(self, keys: list[str]) -> None:
@@ -239,13 +241,11 @@ class S3Tier(ByteBudget, Tier):
             self.stats.add(errors=len(keys))
             return
         try:
-            resp = self._client.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+            failed = s3_io.delete_keys(self._client, self.bucket, keys)
         except (BotoCoreError, ClientError) as e:
             self._fail("delete", f"{len(keys)} keys", e)
             self.stats.add(errors=len(keys) - 1)
             return
-        failed = [err for err in resp.get("Errors", ()) if err.get("Code") not in MISSING]
         if failed:
             self.stats.add(errors=len(failed))
             self._warn.warn("s3 tier: %d deletes failed, first: %s", len(failed), failed[0])
@@ -298,12 +298,14 @@ class S3Tier(ByteBudget, Tier):
             if not self._usable():
                 self.stats.add(errors=1)
                 return None
+            with self._lock:
+                entry = self._index.get(h)  # a put landing while the GET is out replaces it
             try:
                 buf = read_body(self._client.get_object(Bucket=self.bucket, Key=self.key_of(h, ns)))
             except (BotoCoreError, ClientError, OSError, urllib3.exceptions.HTTPError) as e:
                 if error_code(e) in MISSING:
-                    with self._lock:  # deleted by another node, or not in this namespace
-                        if self._ns.get(h) == ns:
+                    with self._lock:  # deleted by another node, or not in this namespace; not a fresh upload
+                        if self._ns.get(h) == ns and self._index.get(h) is entry:
                             self._forget([h])
                     continue
                 self._fail("get", h.hex(), e)
@@ -355,7 +357,7 @@ class S3Tier(ByteBudget, Tier):
 
     def available(self) -> bool:
         """False while S3 is left alone after a failure that looked like an outage."""
-        return time.monotonic() >= self._down_until
+        return self._outage.over()
 
     def _usable(self) -> bool:
         """False while S3 is being left alone after a failure; checks the
@@ -363,11 +365,14 @@ class S3Tier(ByteBudget, Tier):
         if not self.available():
             return False
         if not self._ready:
-            try:
-                self._ensure_bucket()
-            except (BotoCoreError, ClientError) as e:
-                self._fail("open", self.bucket, e)
-                return False
+            with self._opening:  # once: the first request after an outage at open checks and lists
+                if not self._ready:
+                    try:
+                        self._ensure_bucket()
+                    except (BotoCoreError, ClientError) as e:
+                        self._fail("open", self.bucket, e)
+                        return False
+                    self._index_listing()
         return True
 
     def _fail(self, op: str, what: str, e: Exception) -> None:
@@ -375,16 +380,8 @@ class S3Tier(ByteBudget, Tier):
         looks down (transport failure or 5xx) rather than wrong for one key."""
         self.stats.add(errors=1)
         if looks_down(e):
-            self._trip()
+            self._outage.trip()
         self._warn.warn("s3 tier: %s %s failed: %s", op, what, e)
-
-    def _trip(self) -> None:
-        now = time.monotonic()
-        if now < self._down_until:  # another request of the same burst
-            return
-        again = now - self._down_until < self._pause  # failed again right after the last pause
-        self._pause = min(2 * self._pause, 8 * self.retry_after_s) if again else self.retry_after_s
-        self._down_until = now + self._pause
 
     def _remember_foreign(self, sizes: dict[BlockHash, int]) -> None:
         """Caller holds the lock. Bounded: the oldest entries go first."""

@@ -1,5 +1,6 @@
 """S3 request helpers of the S3 tier: bucket setup and listing, lifecycle,
-body reading, error classification, bounded-rate warnings, settings checks.
+body reading, error classification, outage pauses, bounded-rate warnings,
+settings checks.
 
 None of this knows the tier's index or capacity (``tiers/s3.py``); every
 function takes a boto3 S3 client and raises botocore's errors unless it says
@@ -7,6 +8,7 @@ otherwise.
 """
 from __future__ import annotations
 
+import io
 import logging
 import re
 import threading
@@ -14,6 +16,7 @@ import time
 from typing import Iterator
 
 import torch
+from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from tiers.types import BlockHash, ConfigError, TierUnavailableError
@@ -21,6 +24,7 @@ from tiers.types import BlockHash, ConfigError, TierUnavailableError
 MIB = 1 << 20
 MIN_PART = 5 * MIB  # S3's smallest multipart part
 MISSING = {"404", "NoSuchKey", "NotFound"}
+DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 limit)
 AUTH = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
 
 
@@ -41,6 +45,30 @@ class Throttled:
                 return
             skipped, self._suppressed, self._next = self._suppressed, 0, now + self.every_s
         self.log.warning(msg + (f" (+{skipped} similar suppressed)" if skipped else ""), *args)
+
+
+class Outage:
+    """When an S3 that failed as if down is left alone: for `retry_after_s`
+    after such a failure, doubled for each failure right after a pause, up
+    to 8x (so an outage costs callers misses, not waits)."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        self._down_until = 0.0
+        self._pause = retry_after_s  # the current pause (doubles, up to 8x)
+
+    def over(self) -> bool:
+        """False while S3 is being left alone."""
+        return time.monotonic() >= self._down_until
+
+    def trip(self) -> None:
+        """A failure that looks like an outage: leave S3 alone for a while."""
+        now = time.monotonic()
+        if now < self._down_until:  # another request of the same burst
+            return
+        again = now - self._down_until < self._pause  # failed again right after the last pause
+        self._pause = min(2 * self._pause, 8 * self.retry_after_s) if again else self.retry_after_s
+        self._down_until = now + self._pause
 
 
 def error_code(e: Exception) -> str:
@@ -87,6 +115,21 @@ def list_blocks(client, bucket: str, prefix: str) -> Iterator[tuple[BlockHash, i
             if m and m.group(3).startswith(m.group(2)):
                 mtime = int(o["LastModified"].timestamp() * 1e9)
                 yield BlockHash(bytes.fromhex(m.group(3))), o["Size"], mtime, m.group(1)
+
+
+def upload(client, bucket: str, key: str, data: bytes, transfer: TransferConfig) -> None:
+    """One object: a single PUT, or a multipart upload from `transfer`'s threshold up."""
+    if len(data) >= transfer.multipart_threshold:
+        client.upload_fileobj(io.BytesIO(data), bucket, key, Config=transfer)
+    else:
+        client.put_object(Bucket=bucket, Key=key, Body=data)
+
+
+def delete_keys(client, bucket: str, keys: list[str]) -> list[dict]:
+    """Delete up to DELETE_BATCH keys in one request; the per-key errors
+    other than "missing" (already gone is deleted)."""
+    resp = client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+    return [err for err in resp.get("Errors", ()) if err.get("Code") not in MISSING]
 
 
 def set_expiration(client, bucket: str, prefix: str, days: int) -> None:
