@@ -257,6 +257,7 @@ class ServerConfig:
     workers: int = 16
     max_concurrent_rpcs: int = 256
     grace_s: float = 10.0  # SIGTERM: in-flight calls get this long to finish
+    stream_idle_s: float = 30.0  # a Store/Load stream making no progress this long is cancelled (stalls.py)
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -267,7 +268,7 @@ class ServerConfig:
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
         for name in ("max_message_bytes", "chunk_bytes", "max_request_bytes", "max_blocks", "load_batch_bytes",
-                     "workers", "max_concurrent_rpcs"):
+                     "workers", "max_concurrent_rpcs", "stream_idle_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.chunk_bytes + 64 * 1024 > self.max_message_bytes:

@@ -157,6 +157,7 @@ class Daemon:
             if server is not None:
                 server.close(grace)
         self.server.stop(grace).wait()
+        self.servicer.stalls.close()
         self.attachments.close()
         self.store.close()  # flushes background writes first
         self.metrics.close()

@@ -29,6 +29,7 @@ from cache_service.server.metrics import Metrics
 from cache_service.protocol.batches import per_bytes, split
 from cache_service.blocks.objects import adopt, object_size
 from cache_service.server.rpc import rpc
+from cache_service.server.stalls import StallGuard
 from cache_service.sessions.manifests import SessionManager, check_id
 from cache_service.protocol.segment import DATA_OFFSET, host_id
 from cache_service.server.attachments import Attachments
@@ -52,6 +53,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         self.in_flight_lock = threading.Lock()
         self.socket_path = ""  # the same-host socket for the shared-memory calls, once the daemon opened one
         self.data_port = 0  # the streamed data path's TCP port, once the daemon opened one
+        self.stalls = StallGuard(settings.stream_idle_s)  # streams that stall are cancelled: workers are few
 
     # ------------------------------------------------------------ helpers
     def _blocks(self, msg, tenant: str | None, need_ns: bool = True) -> tuple[Namespace | None, list[BlockHash]]:
@@ -105,7 +107,8 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     def Load(self, request, context, tenant):
         # whole objects, headed for the client's (namespace, hash): it checks them (cache_service/protocol/streaming.py)
         ns, keys = self._blocks(request, tenant)
-        yield from load_messages(self._loaded(request, ns, keys, tenant), ns.payload_bytes, self.s.chunk_bytes)
+        messages = load_messages(self._loaded(request, ns, keys, tenant), ns.payload_bytes, self.s.chunk_bytes)
+        yield from self.stalls.replies(context, messages)
 
     def _loaded(self, request, ns: Namespace, keys: list[BlockHash], tenant: str | None) -> Iterator[list | None]:
         """Load's object pieces (streaming.object_pieces) per block, None for a
@@ -124,6 +127,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     @rpc
     def Store(self, request_iterator, context, tenant):
+        request_iterator = self.stalls.requests(context, request_iterator)
         first = next(request_iterator, None)
         if first is None:
             raise invalid("empty Store stream: the first message must carry ns and hashes")
