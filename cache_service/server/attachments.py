@@ -51,13 +51,16 @@ class Mapping:
 
 
 class Attachments:
-    """The daemon's mapped client segments, by attachment id."""
+    """The daemon's mapped client segments, by attachment id: at most
+    `max_count` in all, and a quarter of that per named tenant (so one
+    tenant cannot take every attachment from the others)."""
 
     def __init__(self, directory: Path = SHM_DIR, max_count: int = 64, max_bytes: int = 4 << 30,
                  idle_s: float = 600.0) -> None:
         self.dir = Path(directory)
         self.max_count, self.max_bytes, self.idle_s = max_count, max_bytes, idle_s
         self._maps: dict[str, Mapping] = {}
+        self._pending: dict[str | None, int] = {}  # attaches under way, per tenant (counted against the limits)
         self._lock = threading.Lock()
 
     def attach(self, name: str, nonce: bytes, tenant: str | None) -> tuple[str, int]:
@@ -65,21 +68,36 @@ class Attachments:
         if not SEGMENT_NAME.match(name or ""):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"segment name {name!r} is not tierkv-<id>")
         self.reap()
+        self._admit(tenant)
+        try:
+            mm, fd = self._open(name)
+            if mm[: len(MAGIC)] != MAGIC or not secrets.compare_digest(mm[len(MAGIC): len(MAGIC) + NONCE_BYTES],
+                                                                       nonce):
+                mm.close()
+                os.close(fd)
+                raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"segment {name}: nonce does not match")
+            data = torch.frombuffer(mm, dtype=torch.uint8)[DATA_OFFSET:]
+            del mm  # the tensor keeps the mapping alive; the last user unmaps it
+            aid = secrets.token_hex(12)
+            with self._lock:
+                self._maps[aid] = Mapping(tenant, data, fd)
+            return aid, data.numel()
+        finally:
+            with self._lock:
+                self._pending[tenant] -= 1
+
+    def _admit(self, tenant: str | None) -> None:
+        """Count an attach of `tenant` under way, if the limits leave room for it."""
         with self._lock:
-            if len(self._maps) >= self.max_count:
+            total = len(self._maps) + sum(self._pending.values())
+            mine = self._pending.get(tenant, 0) + sum(m.tenant == tenant for m in self._maps.values())
+            if total >= self.max_count:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"{self.max_count} segments attached already; detach one first")
-        mm, fd = self._open(name)
-        if mm[: len(MAGIC)] != MAGIC or not secrets.compare_digest(mm[len(MAGIC): len(MAGIC) + NONCE_BYTES], nonce):
-            mm.close()
-            os.close(fd)
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"segment {name}: nonce does not match")
-        data = torch.frombuffer(mm, dtype=torch.uint8)[DATA_OFFSET:]
-        del mm  # the tensor keeps the mapping alive; the last user unmaps it
-        aid = secrets.token_hex(12)
-        with self._lock:
-            self._maps[aid] = Mapping(tenant, data, fd)
-        return aid, data.numel()
+            if tenant is not None and mine >= max(1, self.max_count // 4):
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"tenant {tenant!r} has {mine} segments attached; detach one first")
+            self._pending[tenant] = self._pending.get(tenant, 0) + 1
 
     def _open(self, name: str) -> tuple[mmap.mmap, int]:
         """The segment mapped, and its file kept open (`Mapping.region` checks its size)."""
