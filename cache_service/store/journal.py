@@ -46,9 +46,10 @@ log = logging.getLogger("tierkv.journal")
 _MIN_BYTES = 1 << 20  # lmdb's own pages (meta, branch pages, free list) need room too
 
 
-def _footprint(nbytes: int) -> int:
-    """Bytes an entry of `nbytes` takes in lmdb: its own pages past half a page, else its share of a leaf."""
-    return -(-(nbytes + 64) // 4096) * 4096 if nbytes > 2000 else nbytes + 64
+def _footprint(nbytes: int, page: int) -> int:
+    """Bytes an entry of `nbytes` takes in lmdb pages of `page` bytes: its own
+    pages past about half a page, else its share of a leaf."""
+    return -(-(nbytes + 64) // page) * page if nbytes > page // 2 - 48 else nbytes + 64
 
 
 class UploadJournal:
@@ -127,7 +128,9 @@ class UploadJournal:
         return done + [h for h, _ in new]
 
     def _put(self, items: Sequence[Item]) -> bool:
-        if self._live_bytes() + sum(_footprint(obj.numel()) for _, obj in items) > self.limit_bytes - self._reserve:
+        page = self._env.stat()["psize"]
+        need = sum(_footprint(obj.numel(), page) for _, obj in items)
+        if self._live_bytes() + need > self.limit_bytes - self._reserve:
             return False  # a reserve short of the bound, and another past it (the file's): pages for deletes
         try:
             with self._env.begin(write=True) as txn:
