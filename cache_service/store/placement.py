@@ -118,6 +118,8 @@ class Placement:
                 break
             objs = self._victim_objects(i, picked)
             self._journal_victims(i + 1, picked, objs, mark)
+            with self.state.meta:  # in flight from here (found by lookups and loads) until they land below
+                self._enter([(h, o) for h, o in zip(picked, objs) if o is not None])
             tier.delete_many(picked)
             self.state.publish(i, picked, present=False)
             victims.extend(zip(picked, objs))  # counted as evictions even with nowhere to go
@@ -153,7 +155,7 @@ class Placement:
         """Count `make_room`'s victims and send them down (outside the tier's
         lock), unless deleted since `mark`."""
         self.state.count(i, evictions=len(victims))
-        self.demote(i, [v for v in victims if v[1] is not None], "demoted", mark)
+        self.demote(i, [v for v in victims if v[1] is not None], "demoted", mark, entered=True)
 
     @staticmethod
     def _put_one(tier: Tier, item: Item) -> bool:
@@ -162,39 +164,56 @@ class Placement:
         except CapacityError:
             return False
 
-    def demote(self, i: int, items: Sequence[Item], counter: str, since: int | None = None) -> None:
+    def demote(self, i: int, items: Sequence[Item], counter: str, since: int | None = None,
+               entered: bool = False) -> None:
         """Send items evicted from (or not fitting in) tier i to tier i + 1
-        (those deleted since `since`, a delete log mark, stay behind)."""
+        (those deleted since `since`, a delete log mark, stay behind);
+        `entered`: they are in the in-flight map already (`make_room`)."""
         if not items:
             return
+        assert i + 1 < len(self.state.tiers) or not entered, "victims carry objects only when a tier is below"
         if i + 1 >= len(self.state.tiers):
             self.state.count(i, dropped=len(items) if counter == "bypassed" else 0)
             return
-        todo = [it for it in items if not self.below_has(i + 1, it[0])]
+        below = [self.below_has(i + 1, h) for h, _ in items]
+        todo = [it for it, ok in zip(items, below) if not ok]
+        if entered:
+            self._release([it for it, ok in zip(items, below) if ok])
         self.state.count(i, **{counter: len(todo)})
-        self.submit(i + 1, todo, since=since)
+        self.submit(i + 1, todo, since=since, entered=entered)
 
     def below_has(self, i: int, h: BlockHash) -> bool:
         """Whether tier i holds `h` already (no need to write it there)."""
         return self.state.tiers[i].contains_many([h])[0]
 
-    def submit(self, i: int, items: Sequence[Item], wait: bool | None = None, since: int | None = None) -> None:
+    def submit(self, i: int, items: Sequence[Item], wait: bool | None = None, since: int | None = None,
+               entered: bool = False) -> None:
         """Queue items for writer i, in the in-flight map until they land (a
         full queue waits or drops, per ``cfg.queue_full`` unless `wait` says;
-        items deleted since `since`, a delete log mark, are not queued)."""
+        items deleted since `since`, a delete log mark, are not queued;
+        `entered`: the items are in the map already)."""
         st = self.state
         wait = st.cfg.queue_full == "wait" if wait is None else wait
         with st.meta:  # a delete empties the in-flight map of its blocks under meta, after it starts
-            if since is not None:
-                items = self._undeleted(since, items)
-            for h, obj in items:
-                st.inflight.setdefault(h, {}).setdefault(id(obj), [obj, 0])[1] += 1
-                if id(obj) in st.holds:
-                    st.holds[id(obj)][0] += 1
+            gone = st.deletes.deleted(since, [h for h, _ in items]) if since is not None else set()
+            if not entered:
+                self._enter([it for it in items if it[0] not in gone])
+        if gone:
+            if entered:
+                self._release([it for it in items if it[0] in gone])
+            items = [it for it in items if it[0] not in gone]
         queued = st.writers[i].submit_many(items, wait)
         if queued < len(items):
             self._release(items[queued:])
             st.count(i, dropped=len(items) - queued)
+
+    def _enter(self, items: Sequence[Item]) -> None:
+        """Put queued writes in the in-flight map (caller holds ``meta``)."""
+        st = self.state
+        for h, obj in items:
+            st.inflight.setdefault(h, {}).setdefault(id(obj), [obj, 0])[1] += 1
+            if id(obj) in st.holds:
+                st.holds[id(obj)][0] += 1
 
     def keep(self, releases: dict[int, Callable[[], None]]) -> None:
         """Writes are about to be queued with objects that are views of

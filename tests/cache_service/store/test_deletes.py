@@ -11,7 +11,7 @@ import threading
 from cache_service.store.deletes import DeleteLog
 from cache_service.store.eviction import make_policy
 from cache_service.store.tiered_store import TieredStore
-from tests.cache_service.store.store_helpers import (NS, OBJ, FlakyDisk, hashes, make_store, payload_for, until,
+from tests.cache_service.store.store_helpers import (NS, OBJ, FlakyDisk, hashes, make_store, payload_for, same, until,
                                                      write_flushed)
 from tests.cache_service.store.test_journal import open_pair
 from tiers.cpu import CpuTier
@@ -148,3 +148,22 @@ def test_the_delete_log_answers_for_deletes_under_way_ended_and_forgotten():
             pass
     assert log.deleted(before, [a, b, c]) == {a, b, c}
     assert log.deleted(after_a, [a, b, c]) == {b, c}
+
+
+def test_a_write_back_victim_on_its_way_down_is_still_found(tmp_path):
+    store, lower = open_pair(tmp_path, cpu_blocks=4, mode="back")
+    hs = hashes(5)
+    store.store(NS, hs[:4], [payload_for(h) for h in hs[:4]])
+    # A fifth block evicts the oldest; it has left the tier above and is not yet queued for the one below.
+    paused, go = _pause_after(store._placement, "evicted", before=True)
+    storing = threading.Thread(target=store.store, args=(NS, hs[4:], [payload_for(hs[4])]))
+    storing.start()
+    assert paused.wait(20)
+    # Meanwhile it is still found, and loads.
+    assert store.tiers[0].contains_many(hs[:1]) == [False] and lower.contains_many(hs[:1]) == [False]
+    assert store.lookup(hs[:1]) == 1 and same(store.load(NS, hs[:1])[0], payload_for(hs[0]))
+    go.set()
+    storing.join(20)
+    # It lands below, and the in-flight map is empty once it has.
+    assert store.flush(10) and lower.contains_many(hs[:1]) == [True] and not store._state.inflight
+    store.close()
