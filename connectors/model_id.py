@@ -4,7 +4,8 @@ Two engines (ours, vLLM) loading the same checkpoint must put the same
 `model_id` into the namespace, or they could never share cached KV; two
 different checkpoints must never share it. So the id is derived from the
 files, not from a name: the directory name for humans, plus xxh3_64 over
-config.json and every *.safetensors file, in name order. `kv_namespace`
+config.json and every weights file (safetensors, PyTorch .bin/.pt/.pth,
+GGUF), in name order. `kv_namespace`
 builds the namespace an engine's blocks are keyed under from that id and the
 KV layout (engine/llm.py and connectors/vllm/connector.py both call it).
 """
@@ -17,12 +18,15 @@ from pathlib import Path
 import xxhash
 
 from cache_service.blocks.keys import Namespace
+from tiers.types import ConfigError
+
+_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 
 @lru_cache(maxsize=32)
 def _digest(path: str, stamp: tuple) -> str:
     h = xxhash.xxh3_64()
-    for f in [Path(path) / "config.json", *sorted(Path(path).glob("*.safetensors"))]:
+    for f in _files(Path(path)):
         with open(f, "rb") as fh:
             while chunk := fh.read(1 << 24):
                 h.update(chunk)
@@ -32,9 +36,17 @@ def _digest(path: str, stamp: tuple) -> str:
 def model_id_for_dir(path: str | os.PathLike) -> str:
     """``<dir name>@<xxh3_64 hex of config.json + weights>`` for a HF model directory."""
     p = Path(path).resolve()
-    files = [p / "config.json", *sorted(p.glob("*.safetensors"))]
+    files = _files(p)
     stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     return f"{p.name}@{_digest(str(p), stamp)}"
+
+
+def _files(p: Path) -> list[Path]:
+    """config.json and the weights files of a checkpoint directory, in name order."""
+    weights = sorted({f for pattern in _WEIGHTS for f in p.glob(pattern)})
+    if not weights:
+        raise ConfigError(f"{p}: no weights files ({', '.join(_WEIGHTS)}): cannot tell this checkpoint's KV apart")
+    return [p / "config.json", *weights]
 
 
 def kv_namespace(model: str | os.PathLike, kv_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, *,

@@ -71,10 +71,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from cache_service.blocks.keys import KV_DTYPES, Namespace
-from connectors.model_id import kv_namespace
 from connectors.vllm.clients import acquire, close_all, release
 from connectors.vllm.hints import VllmSessionHints, hint_manifests
+from connectors.vllm.namespace import build_namespace
 from connectors.vllm.pages import CpuPageLayout
 from connectors.vllm.scheduler import SchedulerSide, TierKVConfig, Transfer
 from connectors.vllm.worker import WorkerSide
@@ -100,6 +99,7 @@ class TierKVMetadata(KVConnectorMetadata):
     saves: list[Transfer] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # their pages are reused after this step's start
     idle: bool = False  # the step computes nothing (vLLM steps only to poll get_finished)
+    failures_seen: int = 0  # failed loads the scheduler had heard of when it planned the step
 
 
 @dataclass
@@ -142,31 +142,6 @@ def _shutdown_all() -> None:
     for c in list(_instances):
         c.shutdown()  # finishes its queued saves, then lets go of its client
     close_all()
-
-
-def build_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: TierKVConfig,
-                    tp_rank: int) -> tuple[Namespace, int]:
-    """The store namespace of this vLLM instance and vLLM's block size."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(f"TierKVConnector supports one KV cache group, vLLM has {len(groups)} "
-                          f"(hybrid or sliding-window models are not supported)")
-    spec = groups[0].kv_cache_spec
-    head_dim, heads = getattr(spec, "head_size", None), getattr(spec, "num_kv_heads", None)
-    if head_dim is None or heads is None or getattr(spec, "head_size_v", head_dim) != head_dim:
-        raise ConfigError(f"TierKVConnector needs standard attention KV, got {type(spec).__name__}")
-    dtype = str(spec.dtype).removeprefix("torch.")
-    if dtype not in KV_DTYPES:
-        raise ConfigError(f"KV cache dtype {dtype} is not one tierkv stores ({', '.join(KV_DTYPES)})")
-    mc = vllm_config.model_config
-    page = spec.block_size
-    if page % cfg.block_tokens and cfg.block_tokens % page:
-        raise ConfigError(f"kv_connector_extra_config.block_tokens {cfg.block_tokens} must divide or be a "
-                          f"multiple of vLLM's block_size {page}")
-    ns = kv_namespace(str(mc.model), dtype, len(groups[0].layer_names), heads, head_dim,
-                      block_tokens=cfg.block_tokens, tenant=cfg.tenant, revision=str(mc.revision or ""),
-                      tp_rank=tp_rank, tp_world=vllm_config.parallel_config.tensor_parallel_size)
-    return ns, page
 
 
 def learn_cpu_page_layout(vllm_config: "VllmConfig", dtype: torch.dtype, page: int, head_dim: int
@@ -276,7 +251,7 @@ class TierKVConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
         if self.worker is not None and isinstance(meta, TierKVMetadata) and meta.loads:
-            self.worker.load(meta.loads)
+            self.worker.load(meta.loads, meta.failures_seen)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward
@@ -287,7 +262,7 @@ class TierKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if self.worker is not None and isinstance(meta, TierKVMetadata) and meta.saves:
-            self.worker.save(meta.saves)
+            self.worker.save(meta.saves, meta.failures_seen)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         saves = self.worker.saves if self.worker is not None else None
@@ -353,7 +328,8 @@ class TierKVConnector(KVConnectorBase_V1):
         assert state is not None, "vLLM >= 0.32 hands the connector the block state of scheduled requests"
         loads, saves = self.scheduler.plan(scheduled, lambda req_id: state.get_block_ids(req_id)[0])
         return TierKVMetadata(loads, saves, sorted(scheduler_output.preempted_req_ids or ()),
-                              idle=scheduler_output.total_num_scheduled_tokens == 0)
+                              idle=scheduler_output.total_num_scheduled_tokens == 0,
+                              failures_seen=self.scheduler.failures)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

@@ -117,6 +117,7 @@ class SchedulerSide:
         self.bt = bt
         self._reqs: dict[str, _Request] = {}
         self.stats = SchedulerStats()
+        self.failures = 0  # failed loads reported so far; each step's plan carries it (WorkerSide.save)
 
     def namespace(self, tenant: str) -> Namespace:
         return self.ns if tenant == self.ns.tenant_salt else self.ns.with_tenant(tenant)
@@ -141,6 +142,8 @@ class SchedulerSide:
             self.stats.lookup_errors += 1
             held = 0
         st.stored, st.local = held * self.bt, num_computed
+        if num_computed % self.bt:  # vLLM's own hit ends inside a store block (blocks larger than pages):
+            return 0  # a load starts on a block, or its blocks would land a page off
         usable = min(held, (n - 1) // self.bt) * self.bt
         return max(0, usable - num_computed)
 
@@ -189,6 +192,7 @@ class SchedulerSide:
         """A worker loaded only `good_tokens` of the prefix; vLLM recomputes the
         rest, and those blocks must be saved again."""
         self.stats.load_failures += 1
+        self.failures += 1
         st = self._reqs.get(req_id)
         if st is not None:
             st.stored = min(st.stored, good_tokens)

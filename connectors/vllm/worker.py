@@ -45,6 +45,7 @@ class WorkerStats:
     blocks_failed: int = 0
     pages_invalid: int = 0
     blocks_saved: int = 0  # handed to the store
+    blocks_unsaved: int = 0  # not saved: computed while a failed load's pages may have been read
     blocks_new: int = 0  # of those, new to the store's top tier
     bytes_loaded: int = 0
     bytes_saved: int = 0
@@ -65,6 +66,7 @@ class WorkerSide:
         self.stats = WorkerStats()
         self._invalid_pages: set[int] = set()
         self._failed: dict[str, int] = {}  # req_id -> tokens actually loaded (this step)
+        self._taint: int | None = None  # the scheduler's failure count as of the last step a load failed here
         self.saves = SaveQueue(self._save_one, self.stats) if async_save else None
 
     def register(self, kv_caches: dict[str, Tensor], cpu_layout: CpuPageLayout | None = None,
@@ -87,10 +89,18 @@ class WorkerSide:
         return self.ns if tenant == self.ns.tenant_salt else self.ns.with_tenant(tenant)
 
     # --------------------------------------------------------------- loads
-    def load(self, transfers: list[Transfer]) -> None:
+    def load(self, transfers: list[Transfer], failures_seen: int = 0) -> None:
+        """Load a step's blocks; `failures_seen`: how many failed loads the
+        scheduler had heard of when it planned the step (see `save`)."""
         for t in transfers:
             t0 = time.perf_counter()
-            good = self._load_one(t)
+            try:
+                good = self._load_one(t)
+            except Exception:  # dispatch boundary: pages that could not be written are recomputed
+                log.exception("tierkv: writing the blocks of tokens [%d, %d) failed; vLLM recomputes them",
+                              t.start, t.end)
+                self.stats.errors += 1
+                good = t.start
             dt = time.perf_counter() - t0
             self.stats.load_s += dt
             self.stats.loads += 1
@@ -100,6 +110,7 @@ class WorkerSide:
                 self._invalid_pages.update(t.page_ids[first_bad:])
                 self.stats.pages_invalid += len(t.page_ids) - first_bad
                 self._failed[t.req_id] = good
+                self._taint = failures_seen if self._taint is None else max(self._taint, failures_seen)
 
     def _load_one(self, t: Transfer) -> int:
         """Load tokens [t.start, t.end); returns the end of what was loaded."""
@@ -137,18 +148,34 @@ class WorkerSide:
         return out
 
     # --------------------------------------------------------------- saves
-    def save(self, transfers: list[Transfer]) -> None:
-        """Store the planned blocks (queued, when saves are asynchronous). A
-        request whose load failed in this step is skipped: its new KV was
-        computed on bad context, and vLLM recomputes it."""
+    def save(self, transfers: list[Transfer], failures_seen: int = 0) -> None:
+        """Store the planned blocks (queued, when saves are asynchronous).
+
+        After a load failed here, nothing is saved until a step planned once
+        the scheduler heard of it (`failures_seen` past the count that step
+        carried): until then any request may have read the invalid pages
+        (the failed one, one sharing its pages through vLLM's prefix cache,
+        its next chunk planned before the failure was reported) and the
+        store keeps the first copy of a block, so the recomputed KV could
+        never replace it. vLLM recomputes; what goes unsaved is a later miss."""
+        if self._tainted(failures_seen):
+            self.stats.blocks_unsaved += sum((t.end - t.start) // self.bt for t in transfers)
+            if self.saves is not None:
+                self.saves.put(transfers, skip={t.req_id for t in transfers})
+            return
         if self.saves is not None:
-            self.saves.put(transfers, skip=self._failed)
+            self.saves.put(transfers)
             return
         t0 = time.perf_counter()
         for t in transfers:
-            if t.req_id not in self._failed:
-                _run_save(self._save_one, t, self.stats)
+            _run_save(self._save_one, t, self.stats)
         self.stats.save_wait_s += time.perf_counter() - t0
+
+    def _tainted(self, failures_seen: int) -> bool:
+        """Whether a step planned with `failures_seen` may have read pages whose load failed here."""
+        if self._taint is not None and failures_seen > self._taint:
+            self._taint = None  # the scheduler has heard of every failure seen here: vLLM recomputes them
+        return self._taint is not None
 
     def _save_one(self, t: Transfer) -> None:
         assert self._reader is not None, "register_kv_caches must come first"
