@@ -206,11 +206,11 @@ class RedisDirectory:
         return [False] * len(hashes) if found is None else [S3 in s for s in found]
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued update is applied. False at once while
-        Redis is unusable (they stay queued) or when `timeout` passes."""
+        """Wait until every queued update is applied (not the paced re-announcements: a large
+        disk's take a minute). False at once while Redis is unusable, or when `timeout` passes."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._queue or self._busy or self._announcing:
+            while self._queue or self._busy:
                 left = None if deadline is None else deadline - time.monotonic()
                 if not self._link.up or (left is not None and left <= 0) or self._closed:
                     return False
@@ -296,8 +296,8 @@ class RedisDirectory:
         registered, fresh, callbacks = False, False, []
         try:
             if self.node_id:
-                registered, fresh = self._link.call(self._beat, "heartbeat")
-            records = self._link.call(self._read_nodes, "nodes")
+                registered, fresh = self._link.call(self._beat, "heartbeat", probe=True)  # this thread probes
+            records = self._link.call(self._read_nodes, "nodes", probe=True)
         except Unavailable:
             self._next_beat = time.monotonic() + self._link.retry_in()
             return
@@ -354,7 +354,7 @@ class RedisDirectory:
                 batch = [self._queue.popleft() for _ in range(min(_BATCH, len(self._queue)))]
                 self._busy = len(batch)
             try:
-                self._link.call(lambda r: self._apply(r, batch), "publish")
+                self._link.call(lambda r: self._apply(r, batch), "publish", probe=True)
             except Unavailable:
                 with self._cv:
                     self._queue.extendleft(reversed(batch))

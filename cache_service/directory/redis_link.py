@@ -4,8 +4,11 @@ Redis errors never reach the directory's callers. Each failed request is
 counted (``errors``), logged at a bounded rate, drops the client (rebuilt on
 the next try: a new slot map, new sockets) and leaves Redis alone for a
 backoff that doubles from 0.25 s up to `max_backoff_s`; during it calls fail
-at once (``skipped``) without a round trip. The first request that succeeds
-again ends the outage (``reconnects``).
+at once (``skipped``) without a round trip. Past the backoff, only a probe
+(the directory's own thread: its heartbeat, its queue) tries Redis again,
+one at a time; other callers keep failing at once until a probe succeeds, so
+no engine request waits on a Redis that hangs. The first request that
+succeeds again ends the outage (``reconnects``).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ class Link:
         self._retry_at = 0.0
         self._backoff = 0.0
         self._down = False
+        self._probing = False  # a probe is out (during an outage, one at a time)
         self._next_log = 0.0
         self._quiet = 0
 
@@ -62,21 +66,18 @@ class Link:
         """Seconds left of the current backoff (0 when none)."""
         return max(0.0, self._retry_at - time.monotonic())
 
-    def call(self, fn: Callable[[redis.Redis], T], what: str) -> T:
-        """`fn(client)`; raises Unavailable if Redis fails or is left alone."""
-        if not self.ready():
-            self.stats.add(skipped=1)
-            raise Unavailable
-        self.stats.add(requests=1)
+    def call(self, fn: Callable[[redis.Redis], T], what: str, probe: bool = False) -> T:
+        """`fn(client)`; raises Unavailable if Redis fails or is left alone.
+        During an outage only a `probe` tries it (one at a time)."""
+        probing = self._claim(probe)
         try:
-            with self._lock:
-                if self._client is None:
-                    self._client = self._make()
-                client = self._client
-            out = fn(client)
+            out = fn(self._client_for(what))
         except FAILURES as e:
             self._failed(what, e)
             raise Unavailable from None
+        finally:
+            if probing:
+                self._probing = False
         if self._down:
             with self._lock:
                 self._down, self._backoff = False, 0.0
@@ -84,26 +85,56 @@ class Link:
             log.warning("redis directory: reachable again")
         return out
 
-    def call_or(self, fn: Callable[[redis.Redis], T], what: str, default: T) -> T:
+    def call_or(self, fn: Callable[[redis.Redis], T], what: str, default: T, probe: bool = False) -> T:
         """`fn(client)`, or `default` when Redis cannot be used."""
         try:
-            return self.call(fn, what)
+            return self.call(fn, what, probe)
         except Unavailable:
             return default
 
-    def _failed(self, what: str, e: Exception) -> None:
-        self.stats.add(errors=1)
+    def _claim(self, probe: bool) -> bool:
+        """Let a request go ahead (True: as the outage's one probe), or count it skipped and raise Unavailable."""
         with self._lock:
-            self._down = True
-            self._backoff = min(self.max_backoff_s, max(0.25, 2 * self._backoff))
-            self._retry_at = time.monotonic() + self._backoff
-            client, self._client = self._client, None  # rebuilt on retry: a new slot map, new sockets
-            now = time.monotonic()
-            speak = now >= self._next_log
-            if speak:
-                self._next_log, quiet, self._quiet = now + 10.0, self._quiet, 0
-            else:
-                self._quiet += 1
+            go = self.ready() and (not self._down or (probe and not self._probing))
+            if go and self._down:
+                self._probing = True
+        self.stats.add(**{"requests" if go else "skipped": 1})
+        if not go:
+            raise Unavailable
+        return self._down
+
+    def _client_for(self, what: str) -> redis.Redis:
+        """The client, built if need be; Unavailable if a request failed while
+        this one waited for the lock (no second build against a hung Redis)."""
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            if not self.ready():
+                raise Unavailable
+            try:
+                self._client = self._make()
+            except FAILURES as e:
+                self._failed_locked(what, e)
+                raise Unavailable from None
+            return self._client
+
+    def _failed(self, what: str, e: Exception) -> None:
+        with self._lock:
+            self._failed_locked(what, e)
+
+    def _failed_locked(self, what: str, e: Exception) -> None:
+        """A request failed (caller holds the lock): back off, drop the client, log at a bounded rate."""
+        self.stats.add(errors=1)
+        self._down = True
+        self._backoff = min(self.max_backoff_s, max(0.25, 2 * self._backoff))
+        self._retry_at = time.monotonic() + self._backoff
+        client, self._client = self._client, None  # rebuilt on retry: a new slot map, new sockets
+        now = time.monotonic()
+        speak = now >= self._next_log
+        if speak:
+            self._next_log, quiet, self._quiet = now + 10.0, self._quiet, 0
+        else:
+            self._quiet += 1
         if client is not None:
             _close_quietly(client)
         if speak:

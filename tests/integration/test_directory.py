@@ -125,6 +125,21 @@ def test_nodes_register_heartbeat_and_leave(target):
         reader.close()
 
 
+def test_a_flush_does_not_wait_for_a_large_disks_re_announcement(redis_url):
+    d = RedisDirectory(url=redis_url, node_id="big", prefix=f"f-{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=2.0)
+    try:
+        wait_until(lambda: d.stats.registrations >= 1)
+        # A node re-announces 400,000 blocks (paced: tens of seconds); a live update comes meanwhile.
+        disk = d.location_of("disk")
+        d.announce(disk, [uuid.uuid4().bytes for _ in range(400_000)])
+        d.publish(disk, [b"L" * 16])
+        # A flush (a session save makes one first) waits for the live update only.
+        assert d.flush(10) and d.locate_many([b"L" * 16]) == [frozenset({disk})]
+        assert d._announcing  # the re-announcement goes on behind it
+    finally:
+        d.close(timeout=0.1)
+
+
 def test_sessions_are_shared_through_redis_and_kept_in_s3(open_node):
     x, y = open_node("x"), open_node("y")
     on_x = open_sessions(load_config(env={}, overrides=open_node.config("x")), "/nonexistent", x)
