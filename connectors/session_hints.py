@@ -137,9 +137,18 @@ class SessionKeeper:
             keys = full_blocks(self.ns, token_ids)
             done["yielded"] = self.pins.pin_session(self.tenant, hint.session, self.ns, keys, hint.retain_s)
             done["pinned_blocks"] = len(keys)
-        if self.manifests is not None and not hint.release:
+        if self.manifests is not None and hint.release:
+            self._unpinned(hint.session)
+        elif self.manifests is not None:
             self._record(hint, token_ids, messages)
         return done
+
+    def _unpinned(self, session_id: str) -> None:
+        """A released session's manifest no longer asks a resume to pin it."""
+        s = self.manifests.get(session_id, self.tenant)
+        if s is not None and s.pinned_until:
+            s.pinned_until = 0.0
+            self.manifests.put(s)
 
     def prefetch(self, session_id: str) -> int:
         """Promote the blocks of a recorded session into the top tier; how many

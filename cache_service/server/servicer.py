@@ -274,8 +274,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @rpc
     def DeleteSession(self, request, context, tenant):
         owner = self.auth.resolve(tenant, request.tenant)
-        ns = self._session_ns(request, tenant) if request.HasField("ns") else None
-        deleted = self._in_session(self.sessions.delete, owner, request.session_id, ns, key_tenant=tenant)
+        deleted = self._in_session(self.sessions.delete, owner, request.session_id)
         return pb.DeleteSessionReply(deleted=deleted)
 
 

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -118,7 +119,8 @@ class SessionStore:
         path = self._path(s.tenant, s.session_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         s.updated_s = time.time()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        # one temp file per writer: the daemon's workers may save one session at once
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_native_id()}.tmp")
         with open(tmp, "w") as f:
             json.dump(asdict(s), f)
             f.flush()
@@ -164,8 +166,8 @@ class SessionManager:
         if self.durable_timeout_s and not self.store.flush(self.durable_timeout_s):
             log.warning("session %s: blocks not all written below within %.0fs", s.session_id, self.durable_timeout_s)
         self.manifests.put(s)
-        if keys:
-            self.store.pins.pin(keys, pin_ttl_s)
+        if keys:  # a session pin: blocks it shares with another session stay pinned while either pin lives
+            self.store.pins.pin_session(s.tenant, s.session_id, keys, pin_ttl_s, ns.payload_bytes)
         return s
 
     def resume(self, owner: str, session_id: str, ns: Namespace | None = None, *,
@@ -179,18 +181,16 @@ class SessionManager:
         keys = self.keys(s, ns, key_tenant)
         left = s.pinned_until - time.time()
         if left > 0:
-            self.store.pins.pin(keys, left)
+            self.store.pins.pin_session(owner, session_id, keys, left, ns.payload_bytes)
         return s, self.store.lookup(keys)
 
     def list(self, owner: str = "") -> list[str]:
         return self.manifests.list(owner)
 
-    def delete(self, owner: str, session_id: str, ns: Namespace | None = None, *,
-               key_tenant: str | None = None) -> bool:
-        """Forget the session; with `ns` its blocks are unpinned (they stay cached)."""
-        s = self.manifests.get(session_id, owner) if ns is not None else None
-        if s is not None:
-            self.store.pins.unpin(self.keys(s, ns, key_tenant))
+    def delete(self, owner: str, session_id: str) -> bool:
+        """Forget the session and release its pin (its blocks stay cached, and
+        stay pinned while another session's pin covers them)."""
+        self.store.pins.unpin_session(owner, session_id)
         return self.manifests.delete(session_id, owner)
 
     @staticmethod

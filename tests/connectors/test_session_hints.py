@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from cache_service.sessions.manifests import SessionStore
+from cache_service.sessions.manifests import SessionManager, SessionStore
 from connectors.prefix import full_blocks
 from connectors.session_hints import HintError, SessionHint, SessionKeeper
 from tests.cache_service.store.store_helpers import NS, make_store, payload_for
@@ -49,4 +49,21 @@ def test_a_retained_session_is_pinned_recorded_and_released(tmp_path):
     # Release lets the pin go; the blocks stay cached.
     assert keeper.finished(SessionHint("agent-7", release=True), [])["released"] is True
     assert store.pins.session_pins("acme") == {} and store.lookup(keys) == 3
+    store.close()
+
+
+def test_a_released_session_is_not_pinned_again_by_a_resume(tmp_path):
+    store = make_store(tmp_path, cpu_blocks=64)
+    manifests = SessionStore(tmp_path / "m")
+    keeper = SessionKeeper(store, NS, manifests, tenant="acme")
+    tokens = list(range(4 * NS.block_tokens))
+    keys = full_blocks(NS, tokens)
+    store.store(NS, keys, [payload_for(k) for k in keys])
+    # Retained for an hour, then released: the manifest no longer asks for a pin.
+    keeper.finished(SessionHint("agent-7", retain_s=3600), tokens)
+    keeper.finished(SessionHint("agent-7", release=True), [])
+    assert manifests.get("agent-7", "acme").pinned_until == 0
+    # Any node resuming it (the daemon's ResumeSession) leaves it unpinned.
+    s, n = SessionManager(store, manifests).resume("acme", "agent-7", NS, key_tenant=None)
+    assert n == 4 and not any(store.pins.is_pinned(k) for k in keys)
     store.close()

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 
 import pytest
 
 from cache_service.blocks.keys import prefix_hashes
 from cache_service.sessions.manifests import Session, SessionError, SessionManager, SessionStore
+from cache_service.store.pins import EXPIRY_CHECK_S
 from tests.cache_service.sessions.tenant_view import TenantView
 from tests.cache_service.store.store_helpers import NS, make_store, payload_for, same
 
@@ -110,8 +112,9 @@ def test_a_pin_keeps_the_session_through_eviction_until_its_ttl(tmp_path):
         # Sixteen other blocks later the pinned six are all still here.
         put_blocks(mgr, "acme", list(range(5000, 5064)))
         assert loadable(mgr, "acme", "plan") == 24
-        # After the TTL they are ordinary blocks again, and the next wave evicts them.
-        time.sleep(0.6)
+        # After the TTL (session pins are swept at most every EXPIRY_CHECK_S) they are ordinary blocks again,
+        # and the next wave evicts them.
+        time.sleep(0.6 + EXPIRY_CHECK_S)
         put_blocks(mgr, "acme", list(range(9000, 9064)))
         assert loadable(mgr, "acme", "plan") < 24
     finally:
@@ -126,13 +129,50 @@ def test_delete_unpins_and_forgets(tmp_path):
         save(mgr, "acme", "plan", TOKENS, pin=True)  # no ttl: pinned until unpinned
         # Delete forgets the manifest and unpins; the blocks stay cached for whoever has the same prefix.
         assert mgr.list("acme") == ["plan"]
-        assert mgr.delete("acme", "plan", NS, key_tenant="acme") and mgr.list("acme") == []
+        assert mgr.delete("acme", "plan") and mgr.list("acme") == []
         assert not mgr.delete("acme", "plan")
         assert TenantView(store, "acme").lookup(prefix_hashes(NS, TOKENS)) == 6
         put_blocks(mgr, "acme", list(range(5000, 5064)))  # unpinned: evicted like any other
         assert TenantView(store, "acme").lookup(prefix_hashes(NS, TOKENS)) < 6
     finally:
         store.close()
+
+
+def test_deleting_a_sub_agent_keeps_its_parents_shared_prefix_pinned(tmp_path):
+    store = make_store(tmp_path / "store", cpu_blocks=8, disk_blocks=None)  # one tier: eviction drops
+    mgr = SessionManager(store, SessionStore(tmp_path))
+    try:
+        parent, child = TOKENS[:16], TOKENS[:16] + list(range(500, 508))  # the child forks the parent's 4 blocks
+        put_blocks(mgr, "acme", child)
+        save(mgr, "acme", "parent", parent, pin=True)
+        save(mgr, "acme", "child", child, pin=True)
+        # The sub-agent is done: its pin goes, the parent's stays; other traffic fills the tier.
+        assert mgr.delete("acme", "child") and store.pins.session_pins("acme") == {"parent": 4}
+        put_blocks(mgr, "globex", list(range(9000, 9064)))
+        # The parent's blocks were still pinned by its own session: all loadable.
+        assert loadable(mgr, "acme", "parent") == 16
+    finally:
+        store.close()
+
+
+def test_concurrent_saves_of_one_session_each_land_whole(tmp_path):
+    m, errors = SessionStore(tmp_path), []
+
+    def saver(k: int) -> None:
+        for i in range(50):
+            try:
+                m.put(Session("plan", tenant="acme", token_ids=[k, i]))
+                assert m.get("plan", "acme") is not None
+            except Exception as e:  # noqa: BLE001 (collected: the assertion below names them)
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=saver, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    # Four daemon workers saving one session: no writer lost its file to another, no reader saw half a manifest.
+    assert errors == [] and len(m.get("plan", "acme").token_ids) == 2
 
 
 def test_another_tenant_sees_no_session_and_no_block_even_with_the_right_hashes(node):
