@@ -46,6 +46,9 @@ class Connection:
         self.fds: list[int] = []  # file descriptors to pass with the next reply (Unix sockets)
         self.on_close: list = []  # callbacks once the connection ends (what it holds is handed back)
         self.kept: dict[str, object] = {}  # what handlers keep for the connection's life (the pool's Lease, Holds)
+        self.deadline: float | None = None  # when the call being answered must have had all its bytes
+        self.peer: object = _GREETING  # what the HELLO made of the peer, once it came
+        self.opened = time.monotonic()
 
     def send_part(self, reply, pieces) -> None:
         """An OK frame and raw pieces ahead of a bulk op's last reply (which
@@ -60,9 +63,11 @@ class Connection:
     def read_into(self, view: memoryview) -> None:
         """Exactly len(view) raw bytes from the client."""
         try:
-            fill(self.sock, view)
+            fill(self.sock, view, deadline=self.deadline)
         except OSError as e:  # answered as a cancelled call (nothing is kept of it), not as a server error
             raise RequestError(grpc.StatusCode.CANCELLED, f"the client went away mid-call ({e})") from None
+        finally:
+            self.sock.settimeout(CALL_TIMEOUT_S)  # for the reply: fill left the time its deadline had left
 
     def discard(self, nbytes: int) -> None:
         """Read and drop the nbytes a refused call's frame announced, so the connection stays in step."""
@@ -110,7 +115,11 @@ def abstract_listener(name: str) -> socket.socket:
 
 class FramedServer:
     """A framed-socket server: one thread per connection, at most
-    `max_connections` at once; `close` drains (see the module doc)."""
+    `max_connections` at once: three quarters at most of one named peer (a
+    tenant cannot lock the others out), a quarter at most still before their
+    HELLO (the oldest such is dropped for a newcomer);
+    a HELLO must come whole within HELLO_TIMEOUT_S and a call's bytes within
+    CALL_TIMEOUT_S of its header; `close` drains (see the module doc)."""
 
     def __init__(self, listener: socket.socket, hello: Callable[[bytes], object], dispatch: Dispatch,
                  max_connections: int = 256, name: str = "tierkv-socket", owned_dir: Path | None = None) -> None:
@@ -143,21 +152,44 @@ class FramedServer:
                 if self._closing or len(self._conns) >= self.max_connections:
                     conn.close()
                     continue
+                self._make_room_to_greet()
                 state = Connection(conn)
                 t = threading.Thread(target=self._serve, args=(state,), name=f"{self.name}-conn", daemon=True)
                 self._conns[conn] = (t, state)
-                t.start()
+                try:
+                    t.start()
+                except Exception as e:  # out of threads (RuntimeError), memory: refuse this one, keep accepting
+                    del self._conns[conn]
+                    conn.close()
+                    log.warning("%s: cannot serve a connection (%s)", self.name, e)
+                    time.sleep(0.1)
+
+    @property
+    def _share(self) -> int:
+        return max(1, self.max_connections // 4)
+
+    def _make_room_to_greet(self) -> None:
+        """Caller holds the lock: past a quarter of the connections still
+        before their HELLO, the oldest of those is dropped (a real client's
+        HELLO comes within milliseconds; a peer trickling one takes the place)."""
+        greeting = [st for _, st in self._conns.values() if st.peer is _GREETING]
+        if len(greeting) >= self._share:
+            oldest = min(greeting, key=lambda st: st.opened)
+            try:
+                oldest.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _serve(self, state: Connection) -> None:
         conn = state.sock
         try:
-            conn.settimeout(HELLO_TIMEOUT_S)
-            peer = self._hello(conn)
+            peer = self._hello(state)
             while peer is not _REFUSED and not state.unread and not self._closing:
                 conn.settimeout(None)  # idle between calls as long as the client likes
-                frame = receive(conn)
+                frame = receive(conn, body_s=CALL_TIMEOUT_S)
                 if frame is None:
                     break
+                state.deadline = time.monotonic() + CALL_TIMEOUT_S  # the objects a bulk call reads after it
                 conn.settimeout(CALL_TIMEOUT_S)
                 state.busy = True
                 self._answer(state, *frame, peer)
@@ -187,9 +219,10 @@ class FramedServer:
         for piece in pieces:
             state.sock.sendall(piece)
 
-    def _hello(self, conn: socket.socket):
+    def _hello(self, state: Connection):
         """The connection's peer (what `hello` made of the HELLO), or _REFUSED."""
-        frame = receive(conn, HELLO_BODY)
+        conn = state.sock
+        frame = receive(conn, HELLO_BODY, deadline=time.monotonic() + HELLO_TIMEOUT_S)
         if frame is None:
             return _REFUSED
         op, body = frame
@@ -197,6 +230,12 @@ class FramedServer:
             if op != Op.HELLO:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name}: the first frame must be HELLO")
             peer = self.hello(body)
+            with self._lock:  # counted and taken at once: two connections of one tenant cannot both pass
+                mine = sum(s.peer == peer for _, s in self._conns.values() if s.peer is not _GREETING)
+                if isinstance(peer, str) and mine >= self.max_connections - self.max_connections // 4:
+                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"{self.name}: {mine} connections of this tenant already; close one first")
+                state.peer = peer
         except RequestError as e:
             send(conn, e.code.value[0], str(e).encode())
             return _REFUSED
@@ -221,9 +260,11 @@ class FramedServer:
                     pass
         deadline = time.monotonic() + grace_s
         for t, _ in conns.values():
-            t.join(max(0.0, deadline - time.monotonic()))
+            if t.ident is not None:  # started
+                t.join(max(0.0, deadline - time.monotonic()))
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
 _REFUSED = object()  # a peer whose HELLO was refused
+_GREETING = object()  # a connection whose HELLO has not come yet

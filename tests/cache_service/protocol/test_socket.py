@@ -121,3 +121,119 @@ def test_socket_directories_of_dead_processes_are_removed(tmp_path, monkeypatch)
     finally:
         listener.close()
         shutil.rmtree(where)
+
+
+def _tcp_server(monkeypatch, hello=_hello, max_connections: int = 8):
+    """A TCP server whose HELLO and call deadlines are short (1 s)."""
+    from cache_service.protocol import socket_server
+    monkeypatch.setattr(socket_server, "HELLO_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(socket_server, "CALL_TIMEOUT_S", 1.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = FramedServer(listener, hello, _dispatch, max_connections=max_connections).start()
+    return server, ("127.0.0.1", listener.getsockname()[1])
+
+
+def _hung_up(raw: socket.socket, every_s: float, for_s: float) -> bool:
+    """Send a byte every `every_s`; whether the server hung up within `for_s`."""
+    import time
+    end = time.monotonic() + for_s
+    raw.settimeout(every_s)
+    while time.monotonic() < end:
+        try:
+            raw.send(b"x")
+            if raw.recv(1) == b"":
+                return True
+        except socket.timeout:
+            continue
+        except OSError:
+            return True
+    return False
+
+
+def test_a_hello_trickled_a_byte_at_a_time_is_cut_off(monkeypatch):
+    server, address = _tcp_server(monkeypatch)
+    try:
+        raw = socket.create_connection(address)
+        # A HELLO of 4,000 bytes sent a byte every 0.3 s kept a per-read timeout alive for 20 minutes;
+        # the HELLO now has 1 s in all.
+        raw.sendall(frames.FRAME.pack(4000, Op.HELLO))
+        assert _hung_up(raw, 0.3, 6.0)
+        raw.close()
+        # The server still answers.
+        c = SocketClient(address, "sesame", 5.0)
+        assert LookupBody.held(c.ask(Op.LOOKUP, LookupBody.request([b"h" * 16]))) == 1 + len("ali")
+        c.close()
+    finally:
+        server.close(grace_s=1.0)
+
+
+def test_a_frame_whose_body_never_comes_ends_its_connection(monkeypatch):
+    server, address = _tcp_server(monkeypatch)
+    try:
+        c = SocketClient(address, "sesame", 5.0)
+        # A header announcing 16 MiB, then nothing: the connection ends once the call's time is up.
+        c._sock.sendall(frames.FRAME.pack(16 << 20, Op.LOOKUP))
+        c._sock.settimeout(10)
+        assert c._sock.recv(1) == b""
+        c.close()
+    finally:
+        server.close(grace_s=1.0)
+
+
+def test_one_tenant_cannot_take_every_connection(monkeypatch):
+    server, address = _tcp_server(monkeypatch, hello=lambda body: body.decode(), max_connections=4)
+    try:
+        # acme holds three of four; a fourth of its own is refused, globex still gets in.
+        acme = [SocketClient(address, "acme", 5.0) for _ in range(3)]
+        with pytest.raises(SocketCallError) as e:
+            SocketClient(address, "acme", 5.0)
+        assert e.value.code() == Code.RESOURCE_EXHAUSTED
+        import time
+        deadline = time.monotonic() + 5
+        while len(server._conns) > 3 and time.monotonic() < deadline:  # the refused one is let go
+            time.sleep(0.01)
+        globex = SocketClient(address, "globex", 5.0)
+        for c in acme + [globex]:
+            c.close()
+    finally:
+        server.close(grace_s=1.0)
+
+
+def test_connections_trickling_hellos_give_way_to_a_newcomer(monkeypatch):
+    import time
+    server, address = _tcp_server(monkeypatch, max_connections=4)
+    try:
+        # Silent connections, as many as the server takes; each newer one pushes the oldest out.
+        silent = [socket.create_connection(address) for _ in range(4)]
+        time.sleep(0.3)  # the pushed-out connections' threads end
+        # A client arrives (well within the silent ones' HELLO time) and is served.
+        c = SocketClient(address, "sesame", 5.0)
+        assert LookupBody.held(c.ask(Op.LOOKUP, LookupBody.request([b"h" * 16]))) == 1 + len("ali")
+        c.close()
+        for s in silent:
+            s.close()
+    finally:
+        server.close(grace_s=1.0)
+
+
+def test_a_connection_that_cannot_get_a_thread_is_refused_and_accepting_goes_on(monkeypatch):
+    server, address = _tcp_server(monkeypatch)
+    start, failed = threading.Thread.start, []
+
+    def start_once_failing(self):
+        if self.name.endswith("-conn") and not failed:
+            failed.append(self.name)
+            raise RuntimeError("can't start new thread")
+        return start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once_failing)
+    try:
+        with pytest.raises((SocketCallError, OSError)):
+            SocketClient(address, "sesame", 5.0)
+        # The next client is served, and closing the server does not trip over the thread never started.
+        c = SocketClient(address, "sesame", 5.0)
+        assert LookupBody.held(c.ask(Op.LOOKUP, LookupBody.request([b"h" * 16]))) == 1 + len("ali")
+        c.close()
+    finally:
+        server.close(grace_s=1.0)
+    assert failed
