@@ -112,6 +112,8 @@ class SameHost:
         old, self.seg = self.seg, None
         self.close_socket()
         if old is not None:
+            # the daemon lets go of it now, not when it reaps idle ones: its attachments are few, and shared
+            threading.Thread(target=self._detach, args=(self.attachment,), name="tierkv-detach", daemon=True).start()
             old.close()
             self.retry_at = time.monotonic()
             self.on_transport("stream")
@@ -144,11 +146,16 @@ class SameHost:
         self.close_socket()
         self._close_retired(every=True)  # closing the client ends its loans, as its docstring says
         if seg is not None:
-            try:
-                self.grpc_call("Detach", pb.DetachRequest(attachment=self.attachment), timeout_s=2.0)
-            except grpc.RpcError:
-                pass  # the daemon reaps idle attachments itself
+            self._detach(self.attachment)
             seg.close()
+
+    def _detach(self, attachment: str) -> None:
+        """Best effort: a call that timed out may still write into the segment
+        in the daemon, which holds its own mapping of it for that call."""
+        try:
+            self.grpc_call("Detach", pb.DetachRequest(attachment=attachment), timeout_s=2.0)
+        except grpc.RpcError:
+            pass  # forgotten already (a restart), or unreachable: the daemon reaps idle attachments itself
 
     # ------------------------------------------------------------ data paths
     def load(self, ns: Namespace, hashes: Sequence[BlockHash], lend: bool) -> list[torch.Tensor | None] | None:

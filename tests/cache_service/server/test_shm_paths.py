@@ -142,3 +142,19 @@ def test_payloads_loaded_in_place_survive_the_client_dropping_its_connection(sta
         del held
         c1.load(NS, a[:1])
         assert c1._near._retired == []
+
+
+def test_a_client_that_drops_its_segment_detaches_it(start):
+    d = start(cpu_blocks=16)
+    hs = hashes(2)
+    with GrpcClient(url(d, "shm")) as c:
+        c.store(NS, hs, [payload_for(h) for h in hs])
+        # Each failed shared-memory call drops the client's segment; the next one attaches a new one.
+        for _ in range(8):
+            c._near.drop()
+            assert intact(c, hs)
+        # The daemon holds the one in use, not one per drop (64 and no client on the host could attach).
+        deadline = time.monotonic() + 10
+        while d.attachments.counts()[0] > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.attachments.counts()[0] == 1
