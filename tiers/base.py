@@ -110,6 +110,12 @@ class Tier(ABC):
         """The store is about to load blocks of this namespace (a tier whose
         keys include it, like S3's, uses the hint to find blocks it never saw)."""
 
+    def take_gone(self) -> list[BlockHash]:
+        """Blocks reads found missing from where others may think them (a
+        shared bucket: expired, or deleted by another node) since the last
+        call, for the store to take out of the directory. Others: []."""
+        return []
+
     def recheck(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Of held `hashes`, those whose stored copy is damaged (taken out of
         service now, so they can be written again). Tiers that trust their

@@ -1,34 +1,31 @@
 """S3 tier: block objects as S3 objects, shared by every node on the bucket.
 
-Keys are content-addressed, ``<prefix>/<namespace hex>/<hh>/<hash hex>``
-(hh = first hash byte in hex, spreading keys over 256 S3 partitions), so a
-namespace (a model, a layout, a tenant) can be listed, expired or deleted by
-prefix. The tier reads the namespace of a put from the object's header
-(bytes 8..24, see cache_service/blocks/objects.py); for reads it knows the
-namespace of every block it listed or wrote, and the store tells it the
+Keys are content-addressed, ``<prefix>/<namespace hex>/<hh>/<hash hex>`` (hh:
+the first hash byte, spreading keys over 256 S3 partitions), so a namespace (a
+model, a layout, a tenant) can be listed, expired or deleted by prefix. A put's
+namespace is read from the object's header (bytes 8..24); for reads the tier
+knows the namespace of every block it listed or wrote, and the store names the
 namespaces it loads under (`note_namespace`), so a block another node wrote
-is found with one GET per namespace in use (usually one).
+costs one GET per namespace in use (usually one).
 
-Visibility and capacity. S3 cannot say cheaply which of N keys exist, and the
-store calls ``contains_many`` on hot paths (every lookup, every new block on
-write-through), so it is answered from what this tier knows, never by a
-request: blocks listed at open (``list_objects_v2``), blocks written here,
-blocks found by ``get_many`` (which always asks S3) or ``refresh()``.
-Capacity counts listed and written blocks: exactly what ``keys()`` gives the
-store's eviction policy, which evicts by ``delete_many``. Blocks other nodes
-wrote later are served but not counted (this node's policy cannot reclaim
-them); bucket-wide, a lifecycle rule (``set_expiration``) is the backstop.
+Visibility and capacity. ``contains_many`` (on every lookup) is answered from
+what this tier knows, never by a request: blocks listed at open, written here,
+or found by ``get_many`` (which always asks S3) or ``refresh()``. Capacity
+counts listed and written blocks, what ``keys()`` gives the store's policy;
+blocks other nodes wrote later are served, not counted (a lifecycle rule,
+``set_expiration``, is the bucket-wide backstop). A block no namespace has
+(404) is reported by `take_gone`, for the directory.
 
 Failures. 404 is a miss. Any other failure is a miss, or a put returning
 False, counted in ``stats.errors`` and logged at a bounded rate; nothing is
 raised to the store. After a transport failure or a 5xx the tier leaves S3
-alone for a while (``s3_io.Outage``), so an outage costs callers misses, not
-waits. Only bad settings or credentials raise, at construction; an endpoint
-unreachable at open is an outage (starts empty, lists once S3 answers).
+alone for a while (``s3_io.Outage``): an outage costs misses, not waits. Only
+bad settings or credentials raise, at construction; an endpoint unreachable at
+open is an outage (starts empty, lists once S3 answers).
 
 Integrity is end to end: objects carry an xxh3 payload checksum the store
-verifies on load (``verify_payload``), so botocore's per-request checksums
-are left at "when required". Request helpers live in ``tiers/s3_io.py``.
+verifies on load (``verify_payload``), so botocore's per-request checksums are
+left at "when required". Request helpers live in ``tiers/s3_io.py``.
 """
 from __future__ import annotations
 
@@ -47,18 +44,13 @@ from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
 
 from tiers import s3_io
 from tiers.base import ByteBudget, Tier
-from tiers.s3_io import AUTH, MIB, MISSING, Outage, Throttled, error_code, looks_down, read_body, validate
+from tiers.s3_io import (AUTH, MIB, MISSING, NO_NS, Outage, Throttled, error_code, looks_down, namespace_of,
+                         read_body, validate)
 from tiers.types import BlockHash, ConfigError, TierKVError
 
 log = logging.getLogger(__name__)
 
 _MAX_FOREIGN = 1 << 20  # blocks remembered from other nodes (oldest forgotten first)
-_NO_NS = "0" * 32  # objects too short to carry a header (never written by the store)
-
-
-def _namespace_of(obj: torch.Tensor) -> str:
-    """Namespace fingerprint (hex) from a block object's header, bytes 8..24."""
-    return bytes(obj[8:24].tolist()).hex() if obj.numel() >= 24 else _NO_NS
 T = TypeVar("T")
 
 
@@ -105,6 +97,7 @@ class S3Tier(ByteBudget, Tier):
         self._index: dict[BlockHash, list[int]] = {}  # counted blocks: hash -> [size, last use ns]
         self._foreign: dict[BlockHash, int] = {}  # found, not counted: hash -> size
         self._ns: dict[BlockHash, str] = {}  # namespace hex of every block in _index or _foreign
+        self._gone: list[BlockHash] = []  # answered 404 in every namespace tried (take_gone)
         self._namespaces: dict[str, None] = {}  # namespaces seen or noted, most recent last
         self._used = self._reserved = 0
         self._ready = False  # bucket checked/created
@@ -117,7 +110,7 @@ class S3Tier(ByteBudget, Tier):
     def key_of(self, h: BlockHash, ns: str | None = None) -> str:
         """The S3 key of block `h` in namespace `ns` (hex; default: the one
         this tier knows the block under)."""
-        ns = ns or self._ns.get(h) or _NO_NS
+        ns = ns or self._ns.get(h) or NO_NS
         return f"{self.prefix}/{ns}/{h[0]:02x}/{h.hex()}"
 
     def note_namespace(self, fingerprint: bytes) -> None:
@@ -205,7 +198,7 @@ class S3Tier(ByteBudget, Tier):
             for i in done:
                 self._foreign.pop(hashes[i], None)
                 self._index[hashes[i]] = [objs[i].numel(), stamp]
-                self._learn(hashes[i], _namespace_of(objs[i]))
+                self._learn(hashes[i], namespace_of(objs[i]))
             nbytes = sum(objs[i].numel() for i in done)
             self._used += nbytes
             self.stats.add(blocks=len(done), used_bytes=nbytes, bytes_in=nbytes)
@@ -216,7 +209,7 @@ class S3Tier(ByteBudget, Tier):
             self.stats.add(errors=1)
             return False
         try:
-            s3_io.upload(self._client, self.bucket, self.key_of(h, _namespace_of(obj)),
+            s3_io.upload(self._client, self.bucket, self.key_of(h, namespace_of(obj)),
                          obj.cpu().numpy().tobytes(), self._transfer)
             return True
         except (BotoCoreError, ClientError) as e:
@@ -272,10 +265,8 @@ class S3Tier(ByteBudget, Tier):
         for h in hashes:
             if not self._usable():
                 break
-            dst = f"{self.prefix}/quarantine/{h.hex()}-{time.time_ns()}"
             try:
-                self._client.copy_object(Bucket=self.bucket, Key=dst,
-                                         CopySource={"Bucket": self.bucket, "Key": self.key_of(h)})
+                s3_io.copy_aside(self._client, self.bucket, self.key_of(h), f"{self.prefix}/quarantine/{h.hex()}")
             except (BotoCoreError, ClientError) as e:
                 if error_code(e) not in MISSING:
                     self._fail("quarantine", h.hex(), e)
@@ -294,7 +285,8 @@ class S3Tier(ByteBudget, Tier):
         return out
 
     def _get_one(self, h: BlockHash) -> torch.Tensor | None:
-        for ns in self._candidates(h):
+        tried = self._candidates(h)
+        for ns in tried:
             if not self._usable():
                 self.stats.add(errors=1)
                 return None
@@ -318,7 +310,15 @@ class S3Tier(ByteBudget, Tier):
                     self._learn(h, ns)
                     self._remember_foreign({h: buf.numel()})
             return buf
+        if tried:  # not there in any namespace in use: whoever lists it in the directory is wrong now
+            with self._lock:
+                self._gone.append(h)
         return None
+
+    def take_gone(self) -> list[BlockHash]:
+        with self._lock:
+            gone, self._gone = self._gone, []
+        return gone
 
     def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
         """Whether each block is known to be in the bucket (no request made;

@@ -24,6 +24,7 @@ from tiers.types import BlockHash, ConfigError, TierUnavailableError
 MIB = 1 << 20
 MIN_PART = 5 * MIB  # S3's smallest multipart part
 MISSING = {"404", "NoSuchKey", "NotFound"}
+NO_NS = "0" * 32  # namespace of objects too short to carry a header (never written by the store)
 DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 limit)
 AUTH = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
 
@@ -115,6 +116,16 @@ def list_blocks(client, bucket: str, prefix: str) -> Iterator[tuple[BlockHash, i
             if m and m.group(3).startswith(m.group(2)):
                 mtime = int(o["LastModified"].timestamp() * 1e9)
                 yield BlockHash(bytes.fromhex(m.group(3))), o["Size"], mtime, m.group(1)
+
+
+def namespace_of(obj: torch.Tensor) -> str:
+    """Namespace fingerprint (hex) from a block object's header, bytes 8..24."""
+    return bytes(obj[8:24].tolist()).hex() if obj.numel() >= 24 else NO_NS
+
+
+def copy_aside(client, bucket: str, key: str, dst: str) -> None:
+    """Copy object `key` to `dst`-<ns timestamp> (for inspection)."""
+    client.copy_object(Bucket=bucket, Key=f"{dst}-{time.time_ns()}", CopySource={"Bucket": bucket, "Key": key})
 
 
 def upload(client, bucket: str, key: str, data: bytes, transfer: TransferConfig) -> None:

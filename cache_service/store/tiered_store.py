@@ -192,6 +192,7 @@ class TieredStore:
                 break
             self.tiers[i].note_namespace(ns.fingerprint())  # lets S3 find blocks other nodes wrote
             objs = self.tiers[i].get_many([hashes[j] for j in remaining])
+            self._state.publish(i, self.tiers[i].take_gone(), present=False)  # stale directory entries
             missed = []
             for j, obj in zip(remaining, objs):
                 if obj is not None and self._accept(i, ns, hashes[j], obj, out, j):

@@ -87,6 +87,27 @@ def test_a_block_stored_on_one_node_is_found_through_the_directory_on_another(op
 
 
 @pytest.mark.parametrize("target", ["redis"], indirect=True)
+def test_a_block_gone_from_the_bucket_leaves_the_directory_at_the_first_miss(open_node, s3_server, s3_bucket):
+    y, x = open_node("y"), open_node("x")
+    hs = hashes(6, start=700)
+    write_flushed(x, hs)
+    x.close()  # X's own copies go with it: what is left is in S3
+    # Block 3's object expires from the bucket (a lifecycle rule, another node's delete).
+    client = s3_server.client()
+    key = next(o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket)
+               for o in page.get("Contents", ()) if o["Key"].endswith(hs[3].hex()))
+    client.delete_object(Bucket=s3_bucket, Key=key)
+    # Y believes the directory once, loads, and finds the object gone: the entry goes with it.
+    assert y.lookup(hs) == 6
+    got = y.load(NS, hs)
+    assert [g is not None for g in got] == [True] * 3 + [False] + [True] * 2
+    assert y.directory.flush(10)
+    assert y.directory.locate_many(hs[3:4]) == [frozenset()]
+    # So lookups stop at the block a load cannot deliver.
+    assert y.lookup(hs) == 3
+
+
+@pytest.mark.parametrize("target", ["redis"], indirect=True)
 def test_blocks_evicted_from_a_disk_are_unpublished(open_node):
     # A disk of four blocks (no S3 below): storing ten evicts the oldest from it.
     x = open_node("x", s3=False, disk_blocks=4)
