@@ -95,6 +95,7 @@ class GrpcClient:
         self._last_log: dict[str, float] = {}
         self.sessions = RemoteSessions(self.admin)  # connectors/grpc/sessions.py
         self._data_path: DataPathLink | None = None  # the TCP data path (connectors/grpc/data_path.py)
+        self._hello_at = 0.0  # no Hello again before this (`_hello_again`)
         try:
             self.hello = self._hello(connect_timeout_s)
             self.transport = self._pick(transport or q.get("transport", "auto"), shm_bytes)
@@ -103,7 +104,7 @@ class GrpcClient:
             raise
         if self.hello.data_port and not tls:  # streamed bytes skip gRPC's stack (server/data_path.py)
             self._data_path = DataPathLink(parts.hostname, self.hello.data_port, self.token, self.timeout_s,
-                                  self.hello.data_batch_bytes)
+                                           self.hello.data_batch_bytes, relearn=self._data_path_now)
 
     # ------------------------------------------------------------ setup
     def _hello(self, timeout_s: float) -> pb.HelloReply:
@@ -118,6 +119,24 @@ class GrpcClient:
             raise TierUnavailableError(f"tierkv daemon at {self.target} speaks {hello.version!r}; this client "
                                        f"needs {framing.WIRE_VERSION!r} (upgrade the older side)")
         return hello
+
+    def _hello_again(self) -> pb.HelloReply | None:
+        """Hello once more (a restarted daemon: another data port, other
+        limits), at most every 10 s (between, the last answer); None if it
+        does not answer."""
+        now = time.monotonic()
+        if now < self._hello_at:
+            return self.hello
+        self._hello_at = now + 10.0
+        try:
+            self.hello = self._hello(min(2.0, self.timeout_s))
+        except TierUnavailableError:
+            return None
+        return self.hello
+
+    def _data_path_now(self) -> tuple[int, int] | None:
+        hello = self._hello_again()
+        return None if hello is None else (hello.data_port, hello.data_batch_bytes)
 
     def _pick(self, transport: str, shm_bytes: int) -> str:
         if transport not in TRANSPORTS:
@@ -161,6 +180,8 @@ class GrpcClient:
     def _failed(self, what: str, e: Exception, shm: bool = False) -> None:
         if shm and self._near is not None and not (isinstance(e, grpc.RpcError) and e.code() in _REFUSED):
             self._near.drop()
+        if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._hello_again()  # a restarted daemon may have lower limits: the next call fits them
         self.errors += 1
         now = time.monotonic()
         if now - self._last_log.get(what, -1e9) >= 10.0:  # at most one line per op per 10 s

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -108,9 +109,11 @@ class DataPathLink:
     after a refused call, after `retry_s` when the connection broke)."""
 
     def __init__(self, host: str, port: int, token: str | None, timeout_s: float, batch_bytes: int,
-                 retry_s: float = 10.0) -> None:
+                 retry_s: float = 10.0, relearn: Callable[[], tuple[int, int] | None] | None = None) -> None:
+        """`relearn`: asks the daemon again for its data path's (port, batch
+        bytes) (a restarted daemon listens on another port); None if it cannot."""
         self._args = (host, port, token, timeout_s, batch_bytes)
-        self.retry_s = retry_s
+        self.retry_s, self._relearn = retry_s, relearn
         self._client: DataPathClient | None = None
         self._retry_at, self._failures = 0.0, 0
         self._lock = threading.Lock()
@@ -143,13 +146,28 @@ class DataPathLink:
                 raise e from None
 
     def _connect(self) -> None:
-        try:
-            self._client = DataPathClient(*self._args)
-            self._failures = 0
-        except (OSError, grpc.RpcError) as e:  # tried again later, less often each time (up to 5 minutes)
-            self._failures += 1
-            self._retry_at = time.monotonic() + min(300.0, self.retry_s * 2 ** (self._failures - 1))
-            log.info("tierkv data path %s:%s unusable (%s); streaming through gRPC", *self._args[:2], e)
+        for first in (True, False):
+            try:
+                self._client = DataPathClient(*self._args)
+                self._failures = 0
+                return
+            except (OSError, grpc.RpcError) as e:
+                error = e
+            if not first or not self._moved():
+                break
+        # tried again later, less often each time (up to 5 minutes)
+        self._failures += 1
+        self._retry_at = time.monotonic() + min(300.0, self.retry_s * 2 ** (self._failures - 1))
+        log.info("tierkv data path %s:%s unusable (%s); streaming through gRPC", *self._args[:2], error)
+
+    def _moved(self) -> bool:
+        """Whether the daemon now announces its data path elsewhere (taken up here)."""
+        where = self._relearn() if self._relearn is not None else None
+        if where is None or not where[0] or where == (self._args[1], self._args[4]):
+            return False
+        host, _, token, timeout_s, _ = self._args
+        self._args = (host, where[0], token, timeout_s, where[1])
+        return True
 
     def close(self) -> None:
         with self._lock:

@@ -145,3 +145,36 @@ def test_a_broken_data_path_is_one_miss_then_grpc_carries_the_calls(start):
         assert c.load(NS, hs) == [None] * 4 and c.errors == 1
         # until the data path is tried again, streaming goes through gRPC
         assert intact(c, hs) and put(c, hashes(2, start=50)) == 2
+
+
+def test_a_client_follows_a_restarted_daemon_to_its_new_data_path_and_limits(tmp_path):
+    from cache_service.config import ServerConfig
+    from cache_service.server.daemon import Daemon
+    from tests.cache_service.store.store_helpers import make_store
+
+    def daemon(name: str, listen: str, **settings) -> Daemon:
+        return Daemon(make_store(tmp_path / name), ServerConfig(listen=listen, sessions_dir=str(tmp_path / "s"),
+                                                                **settings)).start()
+
+    first = daemon("a", "127.0.0.1:0")
+    c = GrpcClient(url(first, "stream"))
+    second = None
+    try:
+        assert put(c, hashes(4)) == 4 and first.data_path_server.calls == 1
+        # The daemon restarts on the same address: its data path on another port, fewer blocks per call.
+        old_port = first.servicer.data_port
+        first.stop(grace_s=0)
+        second = daemon("b", first.address, max_blocks=64)
+        assert second.servicer.data_port != old_port
+        c._data_path.retry_s = 0.0  # (the link waits 10 s after a broken call; the story is the same)
+        # The first calls after the restart may fail; the client asks the daemon again and carries on.
+        hs = hashes(100, start=500)
+        for _ in range(3):
+            put(c, hs)
+        assert c.lookup(hs) == 100 and intact(c, hs)
+        assert second.data_path_server.calls >= 2 and c.hello.max_blocks == 64
+    finally:
+        c.close()
+        for d in (first, second):
+            if d is not None:
+                d.stop(grace_s=0)
