@@ -127,10 +127,10 @@ def open_sessions(cfg: Config, root: str | os.PathLike, store: Any = None) -> Ma
     durable: Manifests = SessionStore(root)
     if cfg.tiers.s3 is not None:  # S3 is the truth; what it refuses waits in local files (PendingManifests)
         durable = PendingManifests(S3Manifests(cfg.tiers.s3), SessionStore(Path(root) / "pending-manifests"))
-    directory = getattr(store, "directory", None)
+    directory, shared = getattr(store, "directory", None), cfg.tiers.s3 is not None
     if directory is not None:
-        return SharedSessionStore(directory, durable)
-    return SharedSessionStore(open_directory(cfg, node=False), durable, owns_directory=True)
+        return SharedSessionStore(directory, durable, shared_durable=shared)
+    return SharedSessionStore(open_directory(cfg, node=False), durable, owns_directory=True, shared_durable=shared)
 
 
 def _capacity_blocks(tier: Tier) -> int:

@@ -8,12 +8,14 @@
   refuses (an outage) is written durably to local files and uploaded once S3
   answers, by a background thread (S3 stays the source of truth; the local
   copy is newer while it waits, so reads look there first).
-- `SharedSessionStore`: the Redis directory in front of one of those. The
-  durable copy is the source of truth and is written first; Redis holds a copy
-  of each manifest, each tenant's index and the pins, so any node reads and
-  lists sessions in one round trip. Redis down or emptied: reads fall back to
-  the durable copy (and refill Redis), writes that missed Redis are replayed
-  once it answers again.
+- `SharedSessionStore`: the Redis directory beside one of those. The durable
+  copy is the source of truth: written first, and read first (a write that
+  missed Redis, during a restart say, leaves Redis a stale copy another node
+  must not take for the session). Redis holds a copy of each manifest, each
+  tenant's index and the pins: any node lists pins in one round trip, and
+  reads and lists sessions there while the durable copy cannot be read.
+  Writes that missed Redis are replayed once it answers again, and a read
+  sets Redis's copy right.
 """
 from __future__ import annotations
 
@@ -69,9 +71,11 @@ class S3Manifests:
                           "NoSuchKey", "404")
         return None if resp is None else Session.from_json(resp["Body"].read(), f"s3://{self.bucket}/{key}")
 
-    def put(self, s: Session) -> None:
+    def put(self, s: Session, keep_time: bool = False) -> None:
+        """Write the manifest, stamped now (`keep_time`: as it was saved, for an upload that waited)."""
         key = self._key(s.tenant, s.session_id)
-        s.updated_s = time.time()
+        if not keep_time:
+            s.updated_s = time.time()
         self._call(f"put {key}", lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=s.to_json()))
 
     def list(self, tenant: str = "") -> list[str]:
@@ -98,6 +102,7 @@ class PendingManifests:
 
     def __init__(self, remote: Manifests, local: SessionStore, retry_s: float = 5.0) -> None:
         self.remote, self.local, self.retry_s = remote, local, retry_s
+        self._writing = threading.Lock()  # a retry's upload and a save of the same session, one at a time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tierkv-manifests", daemon=True)
         self._thread.start()
@@ -113,15 +118,23 @@ class PendingManifests:
         """Upload what waits, oldest tenant first; stops at the first refusal. Returns how many are left."""
         left = self._pending()
         for tenant, sid in list(left):
-            s = self.local.get(sid, tenant)
-            try:
-                if s is not None:
-                    self.remote.put(s)
-            except SessionError:
-                return len(left)
-            self.local.delete(sid, tenant)
+            with self._writing:
+                try:
+                    self._upload(sid, tenant)
+                except SessionError:
+                    return len(left)
             left.remove((tenant, sid))
         return len(left)
+
+    def _upload(self, sid: str, tenant: str) -> None:
+        """The waiting copy to S3, unless S3 has a newer one (another node saved
+        the session since); then the waiting copy goes (caller holds _writing)."""
+        s = self.local.get(sid, tenant)
+        if s is not None:
+            there = self.remote.get(sid, tenant)
+            if there is None or there.updated_s <= s.updated_s:
+                self.remote.put(s, keep_time=True)
+        self.local.delete(sid, tenant)
 
     def _run(self) -> None:
         while not self._stop.wait(self.retry_s):
@@ -137,8 +150,9 @@ class PendingManifests:
     def put(self, s: Session) -> None:
         """To S3; when S3 refuses, durably to local files (acknowledged: uploaded later)."""
         try:
-            self.remote.put(s)
-            self.local.delete(s.session_id, s.tenant)  # an older one waiting must not overwrite this later
+            with self._writing:
+                self.remote.put(s)
+                self.local.delete(s.session_id, s.tenant)  # an older one waiting must not overwrite this later
         except SessionError as e:
             self.local.put(s)
             log.warning("session %s: S3 refused its manifest (%s); kept on local disk until S3 answers",
@@ -160,21 +174,44 @@ class SharedSessionStore:
     """Manifests every node sees: the directory in front of `durable` (the
     source of truth; see the module docstring for the read and write paths)."""
 
-    def __init__(self, directory: "RedisDirectory", durable: Manifests, owns_directory: bool = False) -> None:
+    def __init__(self, directory: "RedisDirectory", durable: Manifests, owns_directory: bool = False,
+                 shared_durable: bool = True) -> None:
+        """`shared_durable`: every node reads the same durable copies (S3); else
+        (this node's own files) Redis is the only shared copy, read first."""
         self.directory, self.durable, self._owns = directory, durable, owns_directory
+        self.shared_durable = shared_durable
         self._dirty: dict[tuple[str, str], None] = {}  # (tenant, id) Redis may hold stale
         self._lock = threading.Lock()  # guards _dirty
 
     def get(self, session_id: str, tenant: str = "") -> Session | None:
         check_ids(session_id, tenant)
         self._repair()
-        data = self.directory.get_manifest(tenant, session_id)
-        if data is not None:
-            return Session.from_json(data, f"redis {tenant or '_'}/{session_id}")
-        s = self.durable.get(session_id, tenant)
-        if s is not None and self.directory.available:  # Redis lost it (restart): refill
-            self._to_redis(s)
+        if self.shared_durable:
+            try:
+                s = self.durable.get(session_id, tenant)
+            except SessionError:  # the source of truth cannot be read now: Redis's copy, which may lag it
+                return self._redis_copy(tenant, session_id)
+            if self.directory.available:
+                self._set_redis(tenant, session_id, s)
+            return s
+        s = self._redis_copy(tenant, session_id)  # the only copy other nodes share
+        if s is None:
+            s = self.durable.get(session_id, tenant)  # this node's own; Redis lost it (a restart): refill
+            if s is not None and self.directory.available:
+                self._to_redis(s)
         return s
+
+    def _redis_copy(self, tenant: str, session_id: str) -> Session | None:
+        data = self.directory.get_manifest(tenant, session_id)
+        return None if data is None else Session.from_json(data, f"redis {tenant or '_'}/{session_id}")
+
+    def _set_redis(self, tenant: str, session_id: str, s: Session | None) -> None:
+        """Make Redis's copy the durable one (Redis lost it, or kept one a missed write left stale)."""
+        data = self.directory.get_manifest(tenant, session_id)
+        if s is None and data is not None:
+            self.directory.delete_manifest(tenant, session_id)
+        elif s is not None and data != s.to_json():
+            self._to_redis(s)
 
     def put(self, s: Session) -> None:
         """Durable copy first (SessionError if that fails), then Redis."""
@@ -191,7 +228,12 @@ class SharedSessionStore:
     def list(self, tenant: str = "") -> list[str]:
         check_ids("x", tenant)
         self._repair()
-        return sorted(set(self.directory.list_manifests(tenant) or ()) | set(self.durable.list(tenant)))
+        if not self.shared_durable:
+            return sorted(set(self.directory.list_manifests(tenant) or ()) | set(self.durable.list(tenant)))
+        try:
+            return sorted(self.durable.list(tenant))
+        except SessionError:  # as `get`: Redis's index while the durable copies cannot be listed
+            return sorted(self.directory.list_manifests(tenant) or ())
 
     def delete(self, session_id: str, tenant: str = "") -> bool:
         check_ids(session_id, tenant)

@@ -182,6 +182,25 @@ def test_sessions_are_shared_through_redis_and_kept_in_s3(open_node):
     assert on_x.list("acme") == [] and on_x.pins("acme") == {}
 
 
+@pytest.mark.parametrize("target", ["redis"], indirect=True)
+def test_a_stale_redis_copy_never_stands_for_the_session(open_node, tmp_path):
+    from cache_service.sessions.shared import SharedSessionStore
+    x = open_node("x")
+    durable = SessionStore(tmp_path / "durable")
+    shared = SharedSessionStore(x.directory, durable)
+    shared.put(Session("plan", tenant="acme", token_ids=[1]))
+    # A save of turn 2 reached the durable copy but missed Redis (a restart that kept its data, say).
+    old = x.directory.get_manifest("acme", "plan")
+    durable.put(Session("plan", tenant="acme", token_ids=[1, 2]))
+    # Any node reads turn 2, and Redis's copy is set right.
+    assert shared.get("plan", "acme").token_ids == [1, 2]
+    assert x.directory.get_manifest("acme", "plan") != old
+    # A delete that missed Redis: the session is gone for every reader, and from Redis.
+    durable.delete("plan", "acme")
+    assert shared.get("plan", "acme") is None and shared.list("acme") == []
+    assert x.directory.get_manifest("acme", "plan") is None
+
+
 @pytest.mark.parametrize("target", ["redis"], indirect=True)  # stopping Redis is what is tested
 def test_redis_outage_leaves_stores_local_only_and_heals(open_node, caplog):
     y, x = open_node("y"), open_node("x")

@@ -38,3 +38,26 @@ def test_a_manifest_saved_while_s3_is_down_reaches_it_afterwards(tmp_path):
     finally:
         manifests.close()
         moto.stop()
+
+
+def test_a_waiting_manifest_never_overwrites_a_newer_save_from_another_node(tmp_path):
+    moto = Moto()
+    bucket = f"sessions-{uuid.uuid4().hex[:8]}"
+    moto.client().create_bucket(Bucket=bucket)
+    cfg = S3Config(bucket=bucket, capacity=1 << 30, endpoint=moto.url, access_key="k", secret_key="s",
+                   retries=0, connect_timeout=0.5, read_timeout=1.0)
+    here = PendingManifests(S3Manifests(cfg), SessionStore(tmp_path), retry_s=3600)  # retried by hand below
+    other = S3Manifests(cfg)
+    try:
+        # S3 is down when this node saves turn 1: it waits on local disk.
+        moto.stop()
+        here.put(Session("plan", tenant="acme", token_ids=[1]))
+        moto.start()
+        # Another node saves turn 2 once S3 is back; then this node's retry comes.
+        other.put(Session("plan", tenant="acme", token_ids=[1, 2]))
+        assert here.upload_pending() == 0
+        # Turn 2 stands; the stale waiting copy is gone.
+        assert other.get("plan", "acme").token_ids == [1, 2] and here.local.list("acme") == []
+    finally:
+        here.close()
+        moto.stop()
