@@ -5,6 +5,8 @@ import torch
 
 from engine.sequence import Sequence
 
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy: dividing by it overflows float32 logits
+
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Generator) -> list[int]:
     """Pick one token per row of `logits` ([B, vocab], float32) for `seqs` (same order)."""
@@ -12,7 +14,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Genera
     out = logits.argmax(-1).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params
-        if p.temperature > 0.0:
+        if p.temperature >= GREEDY_BELOW:
             gen = seq.generator if seq.generator is not None else default_gen
             out[i] = _sample_row(logits[i], p.temperature, p.top_p, gen)
     return out

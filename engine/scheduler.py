@@ -103,8 +103,9 @@ class Scheduler:
             computed = self.connector.load(seq.token_ids, start, end, pages, self.kv_cache)
             assert start <= computed <= end, f"connector loaded up to {computed}, outside [{start}, {end}]"
             n = min(seq.num_tokens - computed, budget, len(seq.page_table) * ps - computed)
-        seq.num_local_cached_tokens = min(local, start)
-        seq.num_cached_tokens = computed - start
+        # counted over the prompt only: a preempted sequence is matched again over its output too
+        seq.num_local_cached_tokens = min(local, start, seq.num_prompt_tokens)
+        seq.num_cached_tokens = max(0, min(computed, seq.num_prompt_tokens) - seq.num_local_cached_tokens)
         seq.num_computed_tokens = computed
         self.blocks.commit(seq)
         return n
@@ -137,6 +138,7 @@ class Scheduler:
         seq.finish_reason = seq.finish_reason or "abort"
         if seq in self.waiting:
             self.waiting.remove(seq)
+            self.blocks.free(seq)  # pages an admission took before it failed (a connector that raised)
             seq.status, seq.finish_s = SeqStatus.FINISHED, time.perf_counter()
         else:
             self._finish(seq, time.perf_counter())

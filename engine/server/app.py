@@ -219,7 +219,7 @@ def _sampling(llm: LLM, body: api._Common, prompt_len: int, max_tokens: int | No
         raise BadRequest(f"This model's maximum context length is {llm.max_model_len} tokens. However, you requested "
                          f"{prompt_len + (max_tokens or 1)} tokens ({prompt_len} in the messages, {max_tokens or 1} "
                          f"in the completion).", code="context_length_exceeded", param="max_tokens")
-    seed = None if body.seed is None else body.seed + seed_offset
+    seed = None if body.seed is None else (body.seed + seed_offset) % 2**64  # choice k of n: seed + k, as a u64
     return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                           top_p=1.0 if body.top_p is None else body.top_p, max_tokens=max_tokens or room,
                           seed=seed, ignore_eos=body.ignore_eos)

@@ -24,7 +24,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -67,6 +67,8 @@ class ChatMessage(BaseModel):
             texts = [p.get("text", "") for p in content if p.get("type") == "text"]
             if len(texts) != len(content):
                 raise ValueError("only text content parts are supported")
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("a text content part's text must be a string")
             content = "".join(texts)
         msg["content"] = content or ""
         return msg

@@ -178,3 +178,40 @@ def test_connector_block_size_must_fit_pages(tiny_llm_factory):
     llm = tiny_llm_factory()
     with pytest.raises(ConfigError, match="block_tokens 24"):
         llm.set_kv_connector(Odd())
+
+
+class _FailingLoads:
+    """A KV connector whose loads fail inside the engine (a device error scattering the blocks, say)."""
+
+    block_tokens = 16
+
+    def num_cached_tokens(self, token_ids: list[int]) -> int:
+        return (len(token_ids) - 1) // 16 * 16
+
+    def load(self, *args) -> int:
+        raise RuntimeError("a device error while scattering loaded blocks")
+
+    def save(self, *args) -> None:
+        pass
+
+
+def test_a_request_whose_admission_fails_gives_back_its_pages(tiny_llm_factory):
+    llm = tiny_llm_factory(num_pages=16)
+    llm.set_kv_connector(_FailingLoads())
+    seq = llm.add_request(list(range(5, 60)), SamplingParams(max_tokens=4))
+    # The step fails while admitting it; the server then aborts it (EngineLoop._fail_all).
+    with pytest.raises(RuntimeError, match="device error"):
+        llm.step()
+    llm.abort(seq)
+    # Every page is free again.
+    assert seq.is_finished and llm.blocks.num_free_pages == llm.blocks.num_pages
+
+
+def test_cached_tokens_count_prompt_tokens_only_after_a_preemption(tiny_llm_factory):
+    llm = tiny_llm_factory(num_pages=8, page_size=16, max_num_batched_tokens=256)
+    prompts = [[5 + (i * 7 + j) % 100 for j in range(20)] for i in range(2)]
+    # Two long generations in eight pages: one is preempted and matched again over prompt and output.
+    outs = llm.generate(prompts, SamplingParams(max_tokens=70, ignore_eos=True))
+    assert llm.scheduler.num_preemptions >= 1
+    for out in outs:
+        assert out.num_cached_tokens + out.num_local_cached_tokens <= len(out.prompt_token_ids)

@@ -142,6 +142,16 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server):
         client.chat.completions.create(model=MODEL, messages=hi, logprobs=True)
     with pytest.raises(openai.BadRequestError, match="echo is not supported"):
         client.completions.create(model=MODEL, prompt="hi", echo=True)
+    # A seed past int64 and a text part that is no string are 400s too (they were 500s).
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        client.chat.completions.create(model=MODEL, messages=hi, seed=2**64)
+    with pytest.raises(openai.BadRequestError, match="must be a string"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [{"type": "text",
+                                                                                             "text": 5}]}])
+    # A vanishing temperature is greedy, not a failure of every request in the batch.
+    tiny = client.chat.completions.create(model=MODEL, messages=hi, temperature=1e-45, max_tokens=3, seed=2**63 - 1,
+                                          n=2)
+    assert [c.message.content for c in tiny.choices] == [ask(client, hi, max_tokens=3).choices[0].message.content] * 2
     # The server still answers, lists its model and shows what it served in its metrics.
     assert ask(client, hi, max_tokens=3).choices[0].finish_reason in ("stop", "length")
     assert [m.id for m in client.models.list()] == [MODEL]
