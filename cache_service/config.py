@@ -116,6 +116,9 @@ class CpuConfig(TierConfig):
         _check_choice("shared", self.shared, ("auto", "yes", "no"))
         if self.shared == "yes" and self.pin == "yes":
             raise ConfigError("tiers.cpu: a shared pool is not page-locked (pin = \"auto\" or \"no\")")
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if self.capacity > ram:  # allocated at the first block: every store would fail then
+            raise ConfigError(f"tiers.cpu.capacity {self.capacity} B exceeds this machine's memory ({ram} B)")
 
 
 @dataclass(slots=True)
@@ -261,12 +264,17 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"listen address {self.listen!r} must be HOST:PORT")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"listen address {self.listen!r} must be HOST:PORT (a port of 0-65535)")
+        for name in ("metrics_port", "data_port"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"{name} must be 0-65535 (or off), got {getattr(self, name)}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        if self.grace_s < 0:
+            raise ConfigError(f"grace_s must not be negative, got {self.grace_s}")
         for name in ("max_message_bytes", "chunk_bytes", "max_request_bytes", "max_blocks", "load_batch_bytes",
                      "workers", "max_concurrent_rpcs", "stream_idle_s"):
             if getattr(self, name) <= 0:
@@ -307,9 +315,15 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     try:
         if tp in (int, float) and isinstance(value, bool):
             raise ValueError
-        return tp(value)
+        if tp is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError  # 0.5 is no count: truncated, it would say 0
+        out = tp(value)
+        if tp is float and not math.isfinite(out):
+            raise ValueError
+        return out
     except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}") from None
+        raise ConfigError(f"{key}: expected {'a finite ' if tp is float else ''}{tp.__name__}, "
+                          f"got {value!r}") from None
 
 
 def build(cls: type, raw: Mapping[str, Any] | None, prefix: str = "") -> Any:
@@ -339,14 +353,21 @@ def _env_tree(env: Mapping[str, str]) -> dict[str, Any]:
         node = tree
         for part in path[:-1]:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{name}: {'.'.join(path[:-1])}: expected a table, but another variable sets it")
+        if isinstance(node.get(path[-1]), dict):
+            raise ConfigError(f"{name}: {'.'.join(path)}: expected a table, but another variable sets keys under it")
         node[path[-1]] = value
     return tree
 
 
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+def _merge(base: Mapping[str, Any], over: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+    if not isinstance(base, Mapping):
+        raise ConfigError(f"{where or 'config'}: expected a table, got {base!r}")
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out.get(k) or {}, v) if isinstance(v, Mapping) else v
+        key = f"{where}.{k}" if where else k
+        out[k] = _merge(out.get(k) or {}, v, key) if isinstance(v, Mapping) else v
     return out
 
 
@@ -359,6 +380,8 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
             raw = tomllib.loads(Path(path).read_text())
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path} is not UTF-8 text") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     raw = _merge(raw, _env_tree(os.environ if env is None else env))

@@ -54,6 +54,8 @@ def local_config(url: str, config_file: str | os.PathLike | None = None) -> Conf
     over them. Without a file: a 20 GiB disk tier at the URL's path (default:
     the cache dir)."""
     parts = urlsplit(url)
+    if parts.netloc:  # local://relative/path would drop "relative": refused, not a surprise location
+        raise ConfigError(f"cache URL {url!r}: expected local:///absolute/path (three slashes) or local://")
     tiers: dict[str, dict] = {}
     if parts.path or config_file is None:
         tiers["disk"] = {"path": parts.path or str(default_cache_dir() / "store")}

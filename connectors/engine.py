@@ -20,6 +20,7 @@ from cache_service.blocks.keys import Namespace
 from connectors.client import CacheClient
 from connectors.prefix import StoredBlocks, block_hashes, full_blocks, loaded_prefix
 from kernels import gather_blocks, scatter_blocks
+from tiers.types import ConfigError
 
 log = logging.getLogger("tierkv.connector")
 
@@ -41,7 +42,7 @@ class EngineConnector:
 
     def __init__(self, client: CacheClient, ns: Namespace, page_size: int, remember: int = 1 << 16) -> None:
         if ns.block_tokens % page_size:
-            raise ValueError(f"block_tokens {ns.block_tokens} must be a multiple of page_size {page_size}")
+            raise ConfigError(f"block_tokens {ns.block_tokens} must be a multiple of the engine's page size {page_size}")
         self.client, self.ns, self.page_size = client, ns, page_size
         self.block_tokens = ns.block_tokens
         self._pages_per_block = ns.block_tokens // page_size

@@ -74,13 +74,18 @@ class SlotPool(SlotTier):
         if slot_bytes > self.capacity_bytes:
             raise CapacityError(
                 f"{self.name}: slot of {slot_bytes} B exceeds capacity {self.capacity_bytes} B")
-        self.num_slots = self.capacity_bytes // slot_bytes
-        if self.shared:
-            self._pool, self.share_fd, self.slot_stride = shared_matrix(self.num_slots, slot_bytes, self.name)
-        else:
-            self._pool = torch.empty((self.num_slots, slot_bytes), dtype=torch.uint8,
-                                     device=self.device, pin_memory=self.pinned)
-            self.slot_stride = slot_bytes
+        num_slots = self.capacity_bytes // slot_bytes
+        try:
+            if self.shared:
+                self._pool, self.share_fd, self.slot_stride = shared_matrix(num_slots, slot_bytes, self.name)
+            else:
+                self._pool = torch.empty((num_slots, slot_bytes), dtype=torch.uint8,
+                                         device=self.device, pin_memory=self.pinned)
+                self.slot_stride = slot_bytes
+        except (RuntimeError, OSError, MemoryError) as e:  # a miss for this tier, not an error in the engine
+            raise CapacityError(f"{self.name}: cannot allocate {self.capacity_bytes} B for its pool ({e}); "
+                                f"lower its capacity") from None
+        self.num_slots = num_slots
         self._host_rows = self._pool.numpy() if self._pool.device.type == "cpu" else None
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.slot_bytes = slot_bytes

@@ -65,9 +65,14 @@ class GrpcClient:
                  shm_bytes: int = 64 << 20) -> None:
         parts = urlsplit(url)
         q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        if parts.scheme != "grpc" or not parts.hostname or not parts.port:
-            raise TierKVError(f"cache URL {url!r}: expected grpc://host:port")
-        self.url, self.target = url, f"{parts.hostname}:{parts.port}"
+        try:
+            port = parts.port
+        except ValueError:  # not a number, or past 65535
+            port = None
+        if parts.scheme != "grpc" or not parts.hostname or not port:
+            raise TierKVError(f"cache URL {url!r}: expected grpc://host:port with a port 1-65535")
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # an IPv6 address keeps its brackets
+        self.url, self.target = url, f"{host}:{port}"
         try:
             self.timeout_s = float(timeout_s or q.get("timeout", 30.0))
         except ValueError:

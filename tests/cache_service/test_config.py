@@ -81,3 +81,34 @@ def test_server_section_from_toml_env_and_flags(tmp_path):
     assert server_flags(p.parse_args([])) == {}  # no flag: the config decides
     assert server_flags(p.parse_args(["--listen", "h:1", "--data-port", "off", "--grace", "2"])) == {
         "listen": "h:1", "data_port": None, "grace_s": 2.0}
+
+
+def test_values_that_would_be_quietly_wrong_are_refused_by_name(tmp_path):
+    # A port past 65535 wrapped around (the daemon listened where no client looks); ports in TOML or env too.
+    for section in ({"listen": "127.0.0.1:99999"}, {"metrics_port": 99999}, {"data_port": 70000}, {"metrics_port": -1}):
+        with pytest.raises(ConfigError, match=next(iter(section))):
+            load_config(env={}, overrides={"server": section})
+    # A fraction for a count was truncated (0.5 promotions: never); a duration that is no number passed.
+    with pytest.raises(ConfigError, match="store.promote_after_hits"):
+        load_config(env={}, overrides={"store": {"promote_after_hits": 0.5}})
+    assert load_config(env={}, overrides={"store": {"queue_depth": 7.0}}).store.queue_depth == 7
+    with pytest.raises(ConfigError, match="server.stream_idle_s"):
+        load_config(env={}, overrides={"server": {"stream_idle_s": float("nan")}})
+    with pytest.raises(ConfigError, match="grace_s"):
+        load_config(env={}, overrides={"server": {"grace_s": -1.0}})
+    # A CPU tier larger than the machine's memory failed at its first block, every block after.
+    with pytest.raises(ConfigError, match="tiers.cpu.capacity"):
+        load_config(env={}, overrides={"tiers": {"cpu": {"capacity": "1000TiB"}}})
+
+
+def test_files_and_env_that_do_not_fit_get_a_clear_error(tmp_path):
+    # A file that is not UTF-8 text, and env keys under a value that is no table: errors, not tracebacks.
+    f = tmp_path / "tierkv.toml"
+    f.write_bytes(b"[store]\nqueue_depth = 3 # \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(f, env={})
+    f.write_text("store = 5\n")
+    with pytest.raises(ConfigError, match="store: expected a table"):
+        load_config(f, env={"TIERKV_STORE__QUEUE_DEPTH": "3"})
+    with pytest.raises(ConfigError, match="store.queue_depth.*expected a table"):
+        load_config(env={"TIERKV_STORE__QUEUE_DEPTH": "3", "TIERKV_STORE__QUEUE_DEPTH__X": "1"})

@@ -126,6 +126,11 @@ def test_unreachable_or_malformed_cache_urls(tmp_path):
                              timeout=300)
         assert bad.returncode == 2 and bad.stderr.strip().startswith("tierkv: error:") and says in bad.stderr, url
         assert "Traceback" not in bad.stderr and list(tmp_path.iterdir()) == [], url
+    # store blocks that are no whole number of the engine's pages: the same one-line error (it was a traceback)
+    bad = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--model", "tiny-random", "--prompt", "hi",
+                          "--kv-connector", f"local://{tmp_path}/c", "--block-tokens", "7"],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert bad.returncode == 2 and "page size" in bad.stderr and "Traceback" not in bad.stderr
 
 
 @pytest.mark.slow

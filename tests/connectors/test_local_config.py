@@ -46,3 +46,21 @@ def test_generate_with_a_config_file_stores_where_the_file_says(tmp_path):
     # The blocks and the session's manifest sit under the file's disk path.
     assert any(p.stat().st_size for p in (tmp_path / "from-file" / "segments").iterdir())
     assert any("s1" in p.name for p in (tmp_path / "from-file").rglob("*"))
+
+
+def test_cache_urls_that_would_go_somewhere_else_are_refused():
+    import pytest
+
+    from connectors.grpc.client import GrpcClient
+    from tiers.types import ConfigError, TierKVError
+    # local://relative/path dropped "relative" (the store landed in /path): three slashes or none.
+    for url in ("local://tmp/x", "local://./cache", "local://~/kv"):
+        with pytest.raises(ConfigError, match="three slashes"):
+            local_config(url)
+    # A port past 65535 is a clear error, not a ValueError out of urllib.
+    with pytest.raises(TierKVError, match="1-65535"):
+        GrpcClient("grpc://127.0.0.1:99999")
+    # An IPv6 address keeps its brackets in the gRPC target (it dialled [::0.1.118.0]:443).
+    with pytest.raises(TierKVError) as e:
+        GrpcClient("grpc://[::1]:9", connect_timeout_s=0.5)
+    assert "[::1]:9" in str(e.value)
