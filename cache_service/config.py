@@ -165,6 +165,11 @@ class S3Config(TierConfig):
         if not self.bucket:
             raise ConfigError("bucket is required")
         _check_choice("addressing_style", self.addressing_style, ("path", "virtual", "auto"))
+        for name in ("connect_timeout", "read_timeout"):
+            _check_duration(name, getattr(self, name))
+        if self.max_concurrency < 1 or self.retries < 0:
+            raise ConfigError(f"max_concurrency must be at least 1 and retries at least 0, "
+                              f"got {self.max_concurrency} and {self.retries}")
 
 
 @dataclass(slots=True)
@@ -228,8 +233,10 @@ class DirectoryConfig:
             raise ConfigError(f"directory.url {self.url!r} must start with redis://, rediss:// or unix://")
         for node in filter(None, self.cluster.split(",")):
             host, _, port = node.strip().rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"directory.cluster: {node!r} is not host:port")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ConfigError(f"directory.cluster: {node!r} is not host:port (a port of 1-65535)")
+        if self.cluster and not self.cluster_nodes():
+            raise ConfigError(f"directory.cluster {self.cluster!r} names no node")
         for name in ("heartbeat_ttl_s", "block_ttl_s", "socket_timeout_s", "max_backoff_s"):
             _check_duration(f"directory.{name}", getattr(self, name))
 
@@ -317,18 +324,20 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             raise ValueError
         if tp is int and isinstance(value, float) and not value.is_integer():
             raise ValueError  # 0.5 is no count: truncated, it would say 0
+        if tp is str and not isinstance(value, (str, os.PathLike)):
+            raise ValueError  # path = 5 is a slip, not the relative path "5"
         out = tp(value)
         if tp is float and not math.isfinite(out):
             raise ValueError
         return out
     except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"{key}: expected {'a finite ' if tp is float else ''}{tp.__name__}, "
-                          f"got {value!r}") from None
+        what = {"float": "a finite number", "str": "a string", "int": "an integer"}.get(tp.__name__, tp.__name__)
+        raise ConfigError(f"{key}: expected {what}, got {value!r}") from None
 
 
 def build(cls: type, raw: Mapping[str, Any] | None, prefix: str = "") -> Any:
     """Instantiate dataclass `cls` from a nested mapping; unknown keys fail by name."""
-    raw = raw or {}
+    raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{prefix or 'config'}: expected a table, got {raw!r}")
     hints = typing.get_type_hints(cls)

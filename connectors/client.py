@@ -61,9 +61,11 @@ def local_config(url: str, config_file: str | os.PathLike | None = None) -> Conf
         tiers["disk"] = {"path": parts.path or str(default_cache_dir() / "store")}
     if config_file is None:
         tiers["disk"]["capacity"] = "20GiB"
-    for key, values in parse_qs(parts.query).items():
+    for key, values in parse_qs(parts.query, keep_blank_values=True).items():
         if key not in _QUERY_KEYS:
             raise ConfigError(f"cache URL {url!r}: unknown parameter {key!r} (known: {', '.join(_QUERY_KEYS)})")
+        if not values[-1]:
+            raise ConfigError(f"cache URL {url!r}: parameter {key!r} has no value")
         tier, field = _QUERY_KEYS[key]
         for t in ([tier] if tier else ["cpu", "disk"]):
             tiers.setdefault(t, {})[field] = values[-1]

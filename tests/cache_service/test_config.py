@@ -112,3 +112,20 @@ def test_files_and_env_that_do_not_fit_get_a_clear_error(tmp_path):
         load_config(f, env={"TIERKV_STORE__QUEUE_DEPTH": "3"})
     with pytest.raises(ConfigError, match="store.queue_depth.*expected a table"):
         load_config(env={"TIERKV_STORE__QUEUE_DEPTH": "3", "TIERKV_STORE__QUEUE_DEPTH__X": "1"})
+
+
+def test_settings_accepted_without_a_check_before_are_checked():
+    s3 = {"bucket": "b", "capacity": "1GiB"}
+    # S3 timeouts, concurrency and retries; a Redis cluster that names no node or a port past 65535.
+    for bad, key in (({"connect_timeout": -1.0}, "connect_timeout"), ({"read_timeout": float("nan")}, "read_timeout"),
+                     ({"max_concurrency": 0}, "max_concurrency"), ({"retries": -3}, "retries")):
+        with pytest.raises(ConfigError, match=key):
+            load_config(env={}, overrides={"tiers": {"s3": s3 | bad}})
+    for cluster in (",", "h:99999"):
+        with pytest.raises(ConfigError, match="directory.cluster"):
+            load_config(env={}, overrides={"directory": {"cluster": cluster}})
+    # A number for a path, an array for a table: refused, not "5" or the defaults.
+    with pytest.raises(ConfigError, match="tiers.disk.path: expected a string"):
+        load_config(env={}, overrides={"tiers": {"disk": {"path": 5, "capacity": "1GiB"}}})
+    with pytest.raises(ConfigError, match="store: expected a table"):
+        load_config(env={}, overrides={"store": []})

@@ -64,3 +64,12 @@ def test_cache_urls_that_would_go_somewhere_else_are_refused():
     with pytest.raises(TierKVError) as e:
         GrpcClient("grpc://[::1]:9", connect_timeout_s=0.5)
     assert "[::1]:9" in str(e.value)
+
+
+def test_cache_url_parameters_without_a_value_are_refused():
+    import pytest
+
+    from tiers.types import ConfigError
+    for url in ("local:///tmp/x?cpu=", "local:///tmp/x?cpu2GiB"):
+        with pytest.raises(ConfigError, match="cpu"):
+            local_config(url)
