@@ -19,6 +19,7 @@ write its bytes, loads from it verify payload checksums (`verify_payload`).
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Iterable, Sequence
@@ -28,6 +29,8 @@ import torch
 from tiers.base import SlotTier
 from tiers.host_copy import copy_all, copy_arrays, copy_hashed, copy_spans, shared_matrix
 from tiers.types import BlockHash, CapacityError, ConfigError, TierKVError
+
+log = logging.getLogger(__name__)
 
 
 class SlotPool(SlotTier):
@@ -62,6 +65,8 @@ class SlotPool(SlotTier):
         self._released: set[int] = set()  # deleted slots still being read
         self._closed = False
         self._lock = threading.Lock()
+        self._sized_by_first = slot_bytes is None  # slots sized by the first object put
+        self._too_big: set[int] = set()  # object sizes refused for the slots (each logged once)
         if slot_bytes is not None:
             self._allocate(slot_bytes)
 
@@ -122,6 +127,11 @@ class SlotPool(SlotTier):
                     f"{self.name}: object of {nbytes} B exceeds capacity {self.capacity_bytes} B")
             return nbytes  # the first put will size slots to exactly this
         if nbytes > self.slot_bytes:
+            if self._sized_by_first and nbytes not in self._too_big:  # another model's blocks, say: say so once
+                self._too_big.add(nbytes)
+                log.warning("%s: objects of %d B skip this tier: its slots are %d B, sized by its first object; "
+                            "set its slot_bytes to the largest block size its clients use", self.name, nbytes,
+                            self.slot_bytes)
             raise CapacityError(f"{self.name}: object of {nbytes} B exceeds slot size {self.slot_bytes} B")
         return self.slot_bytes
 
