@@ -26,6 +26,9 @@ from torch import Tensor
 _WORDS = (torch.complex128, torch.int64)
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def as_words(*tensors: Tensor) -> tuple[Tensor, ...]:
     """View all ``tensors`` as the widest word dtype every layout allows, else as is.
 
@@ -42,6 +45,9 @@ def as_words(*tensors: Tensor) -> tuple[Tensor, ...]:
             except RuntimeError:
                 # Rows not a multiple of the word, or an unaligned view.
                 continue
+    same = _SAME_SIZE_INT.get(tensors[0].element_size())
+    if same is not None and all(t.is_floating_point() for t in tensors):  # float8: index_copy_ has no kernel for it
+        return tuple(t.view(same) for t in tensors)
     return tensors
 
 

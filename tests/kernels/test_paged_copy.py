@@ -220,3 +220,15 @@ def test_kernel_compiles_to_vector_copies_for_sm90(to_blocks, monkeypatch):
     src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=aligned)
     ptx = compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_caches_with_odd_rows_scatter_on_every_path(dtype):
+    # float8 pages of 3 bytes a row: no wider word fits, and CPU index_copy_ has no float8 kernel
+    cache = torch.randn(1, 2, 4, 3, 1, 1).to(dtype)
+    ids = torch.tensor([[2], [0]])
+    blocks = gather_blocks(cache, ids)
+    for impl in ("torch", "triton"):
+        out = torch.zeros_like(cache)
+        scatter_blocks(blocks, ids, out, impl=impl)
+        assert torch.equal(out[:, :, [2, 0]].view(torch.uint8), cache[:, :, [2, 0]].view(torch.uint8)), impl
