@@ -46,6 +46,7 @@ class PinBook:
         self._sessions: OrderedDict[tuple[str, str], SessionPin] = OrderedDict()  # oldest first
         self._refs: Counter[BlockHash] = Counter()  # hash -> session pins covering it
         self._tenant_refs: dict[str, Counter[BlockHash]] = {}
+        self._tenant_sizes: dict[str, dict[BlockHash, int]] = {}  # the bytes each block counts for its tenant
         self._tenant_bytes: Counter[str] = Counter()
         self._next_expiry_check = 0.0
         self.yielded = 0
@@ -74,8 +75,10 @@ class PinBook:
         """Pin (or re-pin, replacing the earlier pin) a session's blocks for
         `ttl_s` seconds (None: until released). Returns the ids of the
         tenant's sessions whose pins yielded to the cap."""
-        until = math.inf if ttl_s is None else time.monotonic() + ttl_s
+        now = time.monotonic()
+        until = math.inf if ttl_s is None else now + ttl_s
         with self._lock:
+            self._expire(now, force=True)  # an expired pin's bytes must not push a live one out past the cap
             self._drop((tenant, session))
             self._sessions[(tenant, session)] = SessionPin(tuple(hashes), until, block_bytes)
             self._add_refs(tenant, hashes, block_bytes)
@@ -111,16 +114,19 @@ class PinBook:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
+            self._expire(time.monotonic(), force=True)
             return {"pinned_blocks": len(self._blocks.keys() | self._refs.keys()), "session_pins": len(self._sessions),
                     "session_pinned_bytes": sum(self._tenant_bytes.values()), "pins_yielded": self.yielded}
 
     # --------------------------------------------------------------- internal
     def _add_refs(self, tenant: str, hashes: Sequence[BlockHash], block_bytes: int) -> None:
         refs = self._tenant_refs.setdefault(tenant, Counter())
+        sizes = self._tenant_sizes.setdefault(tenant, {})
         for h in set(hashes):
             self._refs[h] += 1
             refs[h] += 1
             if refs[h] == 1:
+                sizes[h] = block_bytes
                 self._tenant_bytes[tenant] += block_bytes
 
     def _drop(self, key: tuple[str, str]) -> bool:
@@ -135,7 +141,7 @@ class PinBook:
             refs[h] -= 1
             if refs[h] <= 0:
                 del refs[h]
-                self._tenant_bytes[key[0]] -= pin.block_bytes
+                self._tenant_bytes[key[0]] -= self._tenant_sizes[key[0]].pop(h)  # what it counted for
         return True
 
     def _enforce_cap(self, tenant: str, keep: tuple[str, str]) -> list[str]:

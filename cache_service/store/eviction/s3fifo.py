@@ -89,7 +89,8 @@ class S3FIFOPolicy(EvictionPolicy):
     def victim(self, pinned: PinnedFn) -> BlockHash | None:
         order = (self._evict_small, self._evict_main)
         if len(self._small) < self.small_target and self._main:
-            order = (self._evict_main, self._evict_small)
+            # main again last: a pass over S moves its read (or pinned) blocks into M, evictable there now
+            order = (self._evict_main, self._evict_small, self._evict_main)
         for evict in order:
             h = evict(pinned)
             if h is not None:

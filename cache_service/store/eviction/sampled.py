@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 _POOL = 32  # candidates asked of the tier at a time
 _DRAWS = 256  # random records they are the oldest of, past the exact range
-_REFILLS = 64  # per victim, before deciding every sampled block is pinned
+_REFILLS = 256  # per victim, before deciding every sampled block is pinned (the exact range is 4,096 blocks)
 
 
 class SampledLRUPolicy(EvictionPolicy):
@@ -37,11 +37,15 @@ class SampledLRUPolicy(EvictionPolicy):
         self._tier = source
         self._pool: dict[BlockHash, None] = {}  # candidates, oldest first
         self._taken: set[BlockHash] = set()  # victims handed out, until the tier no longer holds them
+        # pinned candidates met, skipped until unpinned: the oldest blocks may stay pinned for long (idle
+        # pinned sessions), and asked again at every call they would crowd out the evictable ones
+        self._passed: set[BlockHash] = set()
         self._prune_at = 4 * _POOL
 
     def insert(self, h: BlockHash) -> None:
         self._pool.pop(h, None)
         self._taken.discard(h)
+        self._passed.discard(h)
 
     def touch(self, h: BlockHash) -> None:
         self._pool.pop(h, None)
@@ -49,9 +53,10 @@ class SampledLRUPolicy(EvictionPolicy):
     def remove(self, h: BlockHash) -> None:
         self._pool.pop(h, None)
         self._taken.discard(h)
+        self._passed.discard(h)
 
     def victim(self, pinned: PinnedFn) -> BlockHash | None:
-        passed: set[BlockHash] = set()  # pinned ones met by this call
+        self._passed = {h for h in self._passed if pinned(h)}  # unpinned since: candidates again
         for _ in range(_REFILLS):
             while self._pool:
                 h = next(iter(self._pool))
@@ -59,21 +64,21 @@ class SampledLRUPolicy(EvictionPolicy):
                 if h in self._taken:
                     continue
                 if pinned(h):
-                    passed.add(h)
+                    self._passed.add(h)
                     continue
                 self._taken.add(h)
                 return h
-            if not self._refill(passed):
+            if not self._refill():
                 return None
         return None
 
-    def _refill(self, passed: set[BlockHash]) -> bool:
+    def _refill(self) -> bool:
         """Ask the tier for candidates; False when it names none."""
         if len(self._taken) > self._prune_at:  # forget victims the store has deleted since
             taken = list(self._taken)
             self._taken = {h for h, held in zip(taken, self._tier.contains_many(taken)) if held}
             self._prune_at = max(4 * _POOL, 2 * len(self._taken))
-        taken = self._taken
+        taken, passed = self._taken, self._passed
         found = self._tier.oldest(_POOL, _DRAWS, lambda h: h in taken or h in passed)
         self._pool.update(dict.fromkeys(found))
         return bool(found)

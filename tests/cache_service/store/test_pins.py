@@ -47,6 +47,28 @@ def test_past_the_tenant_cap_the_oldest_session_pin_yields():
     assert book.is_pinned(h(100))
 
 
+def test_an_expired_pin_never_pushes_a_live_one_out_past_the_cap():
+    book = PinBook(cap_bytes=1000)
+    # A live pin, and one that has just expired (nothing has swept it yet).
+    book.pin_session("acme", "live", [h(i) for i in range(4)], None, 100)
+    book.pin_session("acme", "short", [h(i) for i in range(10, 14)], 0.01, 100)
+    time.sleep(0.02)
+    # A third fits beside the live one: the expired pin goes, the live one stays.
+    assert book.pin_session("acme", "new", [h(i) for i in range(20, 24)], None, 100) == []
+    assert set(book.session_pins("acme")) == {"live", "new"}
+
+
+def test_a_block_pinned_under_two_sizes_is_released_with_the_size_it_counted():
+    book = PinBook()
+    # Two sessions pin the same keys under namespaces of different block sizes.
+    book.pin_session("acme", "a", [h(1)], None, 100)
+    book.pin_session("acme", "b", [h(1)], None, 4060)
+    assert book.stats()["session_pinned_bytes"] == 100
+    # Released in either order, the tenant's pinned bytes come back to zero (they stayed at 3,960, or -3,960).
+    assert book.unpin_session("acme", "a") and book.unpin_session("acme", "b")
+    assert book.stats()["session_pinned_bytes"] == 0
+
+
 def test_a_session_repin_replaces_its_pin_and_pins_expire():
     book = PinBook()
     book.pin_session("", "s", [h(1), h(2)], 60, 10)

@@ -291,6 +291,18 @@ def test_s3fifo_main_queue_gives_read_blocks_another_round():
     assert p.victim(no_pins) == H(1)
 
 
+def test_s3fifo_finds_a_block_read_in_small_once_main_is_all_pinned():
+    # Twenty pinned blocks have moved on to M; one unpinned block, read once, waits in S (below its share).
+    p, pinned = S3FIFOPolicy(20), {H(i) for i in range(20)}
+    for i in range(20):
+        p.insert(H(i))
+    assert p.victim(pinned.__contains__) is None
+    p.insert(H(99))
+    p.touch(H(99))
+    # M is tried first (all pinned), S moves the read block to M: it is the victim of this call, not None.
+    assert p.victim(pinned.__contains__) == H(99)
+
+
 # ------------------------------------------------------------------ ARC
 @pytest.mark.parametrize("capacity_hint", [10, 10_000])
 def test_arc_keeps_the_frequent_set_through_a_one_time_scan(capacity_hint):

@@ -68,6 +68,19 @@ def test_pinned_blocks_are_passed_over_and_all_pinned_is_none(tmp_path):
     tier.close()
 
 
+def test_many_pinned_oldest_blocks_do_not_hide_the_evictable_ones(tmp_path):
+    # The oldest 2,100 of 3,000 blocks belong to idle pinned sessions: the 900 others are still evictable.
+    tier, hs = filled(tmp_path, 3000)
+    pol = make_policy("sampled", 3000, source=tier)
+    pinned = set(hs[:2100])
+    # The first victim is found (the policy gave up after 2,048 pinned candidates), and so are later ones.
+    assert pol.victim(pinned.__contains__) == hs[2100]
+    assert pol.victims(4, pinned.__contains__) == hs[2101:2105]
+    # Unpinned, the old ones are candidates again (after the candidates already drawn).
+    assert hs[0] in pol.victims(64, lambda h: False)
+    tier.close()
+
+
 def test_past_the_exact_range_victims_are_among_the_oldest(tmp_path):
     n = disk_recency.EXACT_LRU + 2000
     tier, hs = filled(tmp_path, n)  # put in order: hs[i] is the i-th oldest
