@@ -47,9 +47,13 @@ class Namespace:
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"namespace.kv_dtype {self.kv_dtype!r} not in {sorted(KV_DTYPES)}")
         for name in ("num_layers", "kv_heads", "head_dim", "block_tokens", "tp_world"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+            if type(getattr(self, name)) is not int or getattr(self, name) <= 0:  # not a bool, not 2.0
                 raise ConfigError(f"namespace.{name} must be a positive int, got {getattr(self, name)!r}")
-        if not 0 <= self.tp_rank < self.tp_world:
+        for name in ("model_id", "kv_dtype", "model_revision", "codec", "tenant_salt"):
+            value = getattr(self, name)  # the canonical form is one "key=value" line per field
+            if not isinstance(value, str) or "\n" in value or "\r" in value:
+                raise ConfigError(f"namespace.{name} must be a one-line string, got {value!r}")
+        if type(self.tp_rank) is not int or not 0 <= self.tp_rank < self.tp_world:
             raise ConfigError(f"namespace.tp_rank {self.tp_rank} outside [0, {self.tp_world})")
         if self.codec not in CODECS:
             raise ConfigError(f"namespace.codec {self.codec!r} not in {CODECS}")

@@ -39,6 +39,7 @@ FORMAT_VERSION = 1
 HEADER_SIZE = 128
 _FIXED = struct.Struct("<4sHH16s16sIIIIBBHIQQ")
 _TAIL = struct.Struct("<Q")
+_PADDED = _FIXED.size + _TAIL.size  # zeros from here to HEADER_SIZE
 _HASH_FIELD = slice(24, 40)  # where a header holds its block hash
 _CSUM_FIELD = slice(72, 80)  # where it holds its payload checksum
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(KV_DTYPES)}
@@ -246,11 +247,13 @@ def decode(obj: torch.Tensor, ns: Namespace, h: BlockHash, verify_payload: bool 
         raise CorruptBlockError(f"object too short ({obj.numel()} bytes)")
     raw = bytes(_as_bytes(obj[:HEADER_SIZE].cpu()))
     fields = _FIXED.unpack_from(raw)
-    (magic, version, hsize, fp, bh, layers, heads, hdim, btok, dcode, ccode, _, _, plen, csum) = fields
+    (magic, version, hsize, fp, bh, layers, heads, hdim, btok, dcode, ccode, r1, r2, plen, csum) = fields
     if magic != MAGIC or version != FORMAT_VERSION or hsize != HEADER_SIZE:
         raise CorruptBlockError(f"bad magic/version ({magic!r}, v{version})")
     if _TAIL.unpack_from(raw, _FIXED.size)[0] != xxhash.xxh3_64_intdigest(raw[: _FIXED.size]):
         raise CorruptBlockError("header checksum mismatch")
+    if r1 or r2 or raw[_PADDED:].strip(b"\0"):  # not under the header checksum: zeros, as `verify` wants them
+        raise CorruptBlockError("header padding is not zero")
     if bh != h:
         raise CorruptBlockError(f"object holds block {bh.hex()}, expected {h.hex()}")
     if fp != ns.fingerprint():
@@ -333,6 +336,7 @@ def intact(h: BlockHash, obj: memoryview) -> bool:
     fields = _FIXED.unpack_from(head)
     magic, version, hsize, bh, plen, csum = fields[0], fields[1], fields[2], fields[4], fields[13], fields[14]
     return (magic == MAGIC and version == FORMAT_VERSION and hsize == HEADER_SIZE and bh == h
+            and not fields[11] and not fields[12] and not head[_PADDED:].strip(b"\0")
             and _TAIL.unpack_from(head, _FIXED.size)[0] == xxhash.xxh3_64_intdigest(head[:_FIXED.size])
             and len(obj) == HEADER_SIZE + plen and xxhash.xxh3_64_intdigest(obj[HEADER_SIZE:]) == csum)
 

@@ -93,3 +93,17 @@ def test_bad_namespaces_and_tokens_are_rejected():
         chain_hashes(bytes(16), [2**31], 1)
     with pytest.raises(ValueError, match="1-D"):
         chain_hashes(bytes(16), [[1, 2]], 1)
+
+
+def test_a_namespace_has_one_canonical_form():
+    # 0.0 for a rank, True for a count: equal to the int namespace, written differently (two fingerprints
+    # for one layout, whichever came first in the process)
+    with pytest.raises(ConfigError, match="tp_rank"):
+        Namespace("m", "float16", 2, 2, 8, tp_rank=0.0)
+    with pytest.raises(ConfigError, match="num_layers"):
+        Namespace("m", "float16", True, 2, 8)
+    # a line break in a field could write other fields' lines: two namespaces, one fingerprint
+    with pytest.raises(ConfigError, match="model_revision"):
+        Namespace("m", "float16", 2, 2, 8, model_revision="r\ntp_rank=1\ntp_world=2\ncodec=raw\ntenant_salt=A")
+    with pytest.raises(ConfigError, match="tenant_salt"):
+        Namespace("m", "float16", 2, 2, 8).with_tenant("A\ntp_rank=0")

@@ -51,6 +51,13 @@ def test_fast_header_check_agrees_with_decode_on_every_header_bit():
             rows = torch.stack([obj, bad, obj])
             assert verify(rows, NS, [H[0]] * 3, payload=False) == [good, None, good], (byte, bit)
             assert verify(rows[:, :HEADER_SIZE], NS, [H[0]] * 3, payload=False) == [good, None, good]
+    # decode and intact (the disk's rebuild) refuse every one of them too, the padding included
+    for byte in range(HEADER_SIZE):
+        bad = obj.clone()
+        bad[byte] ^= 1
+        with pytest.raises(CorruptBlockError):
+            decode(bad, NS, H[0])
+        assert not objects.intact(H[0], memoryview(bad.numpy())), byte
     # another block's hash, another tenant, another size: refused too
     assert verify([obj], NS, [H[1]], payload=False) == [None]
     assert verify([obj], NS.with_tenant("other"), H[:1], payload=False) == [None]
