@@ -16,9 +16,8 @@ is 64-byte aligned):
     80  Q   xxh3_64 of bytes [0, 80)
     88  ... zero padding up to 128
 
-Decoding checks every field against what the caller asked for; any mismatch
-raises CorruptBlockError, which the store turns into a quarantined miss.
-"""
+Decoding checks every field against what the caller asked for (padding and reserved fields: zero); any
+mismatch raises CorruptBlockError, which the store turns into a quarantined miss."""
 from __future__ import annotations
 
 import struct
@@ -112,11 +111,11 @@ def _claims(heads: torch.Tensor, ns: Namespace, hashes: Sequence[BlockHash]) -> 
         return []
     want = _template(ns).expand(len(hashes), HEADER_SIZE).clone()
     want[:, _HASH_FIELD] = _hash_rows(hashes)
-    fixed = torch.cat([heads[:, :72], heads[:, _FIXED.size + _TAIL.size:]], 1)
-    same = (fixed == torch.cat([want[:, :72], want[:, _FIXED.size + _TAIL.size:]], 1)).all(1).tolist()
-    raw = heads[:, :_FIXED.size + _TAIL.size].numpy().tobytes()
+    fixed = torch.cat([heads[:, :72], heads[:, _PADDED:]], 1)
+    same = (fixed == torch.cat([want[:, :72], want[:, _PADDED:]], 1)).all(1).tolist()
+    raw = heads[:, :_PADDED].numpy().tobytes()
     out: list[int | None] = []
-    for k, ok in zip(range(0, len(raw), _FIXED.size + _TAIL.size), same):
+    for k, ok in zip(range(0, len(raw), _PADDED), same):
         fixed_bytes = raw[k: k + _FIXED.size]
         ok = ok and _TAIL.unpack_from(raw, k + _FIXED.size)[0] == xxhash.xxh3_64_intdigest(fixed_bytes)
         out.append(int.from_bytes(fixed_bytes[72:80], "little") if ok else None)
@@ -248,12 +247,10 @@ def decode(obj: torch.Tensor, ns: Namespace, h: BlockHash, verify_payload: bool 
     raw = bytes(_as_bytes(obj[:HEADER_SIZE].cpu()))
     fields = _FIXED.unpack_from(raw)
     (magic, version, hsize, fp, bh, layers, heads, hdim, btok, dcode, ccode, r1, r2, plen, csum) = fields
-    if magic != MAGIC or version != FORMAT_VERSION or hsize != HEADER_SIZE:
-        raise CorruptBlockError(f"bad magic/version ({magic!r}, v{version})")
+    if magic != MAGIC or version != FORMAT_VERSION or hsize != HEADER_SIZE or r1 or r2 or raw[_PADDED:].strip(b"\0"):
+        raise CorruptBlockError(f"bad magic/version/padding ({magic!r}, v{version})")  # padding zero, as in verify
     if _TAIL.unpack_from(raw, _FIXED.size)[0] != xxhash.xxh3_64_intdigest(raw[: _FIXED.size]):
         raise CorruptBlockError("header checksum mismatch")
-    if r1 or r2 or raw[_PADDED:].strip(b"\0"):  # not under the header checksum: zeros, as `verify` wants them
-        raise CorruptBlockError("header padding is not zero")
     if bh != h:
         raise CorruptBlockError(f"object holds block {bh.hex()}, expected {h.hex()}")
     if fp != ns.fingerprint():
@@ -327,9 +324,8 @@ def _verify_view(obj: memoryview, ns: Namespace, h: BlockHash, payload: bool = T
 
 
 def intact(h: BlockHash, obj: memoryview) -> bool:
-    """Whether `obj` is a whole object of block `h` by its own header (its
-    namespace unknown here): magic, version, header checksum, hash, length,
-    payload checksum. What a disk tier rebuilding its index keeps."""
+    """Whether `obj` is a whole object of block `h` by its own header (its namespace unknown here): magic,
+    version, zero padding, header checksum, hash, length, payload checksum. What a disk rebuilding its index keeps."""
     if len(obj) < HEADER_SIZE:
         return False
     head = bytes(obj[:HEADER_SIZE])
@@ -353,7 +349,7 @@ def require(objs: Objects, ns: Namespace, hashes: Sequence[BlockHash],
 
 
 def diagnose(obj: torch.Tensor | memoryview, ns: Namespace, h: BlockHash, payload: bool = True) -> CorruptBlockError:
-    """What `decode` finds wrong with an object that failed `verify`."""
+    """What `decode` finds wrong with an object that failed `verify` (a sound one: a canonical-header error)."""
     if not isinstance(obj, torch.Tensor):
         obj = torch.frombuffer(bytearray(obj), dtype=torch.uint8)
     try:
