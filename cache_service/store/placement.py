@@ -36,6 +36,7 @@ class Placement:
 
     def __init__(self, state: StoreState) -> None:
         self.state = state
+        self._walked: dict[int, int] = {}  # tier -> its block count when its keys were last walked (_adopt_unknown)
         self.backlog = Backlog(state, self.put)  # what tiers refused while down, and the retry tick
 
     def put(self, i: int, items: Sequence[Item], owned: bool = True, retry: bool = False,
@@ -112,8 +113,9 @@ class Placement:
             # as many victims as the tier's average block frees that much: one batched read and delete
             used, blocks = tier.stats.used_bytes, tier.stats.blocks
             pins = self.state.pins
-            picked = self.state.policies[i].victims(-(-short // max(1, used // blocks)) if blocks else 1,
-                                                    pins.is_pinned if pins.any() else None)
+            n, pinned = -(-short // max(1, used // blocks)) if blocks else 1, pins.is_pinned if pins.any() else None
+            self._adopt_unknown(i)
+            picked = self.state.policies[i].victims(n, pinned)
             if not picked:
                 break
             objs = self._victim_objects(i, picked)
@@ -123,6 +125,17 @@ class Placement:
             tier.delete_many(picked)
             self.state.publish(i, picked, present=False)
             victims.extend(zip(picked, objs))  # counted as evictions even with nowhere to go
+
+    def _adopt_unknown(self, i: int) -> None:
+        """Blocks tier i holds that its policy never saw (a disk's sweep re-indexes what an unclean stop
+        left, after the policy was rebuilt at open) are given to the policy: never evicted, they held
+        their room for good. Looked for when the tier holds more than the policy knows (one walk per count)."""
+        pol, tier = self.state.policies[i], self.state.tiers[i]
+        held = tier.stats.blocks
+        if not pol.rebuilt_from_keys or len(pol) >= held or self._walked.get(i) == held:
+            return
+        self._walked[i] = held
+        pol.insert_many([h for h in tier.keys() if h not in pol])  # oldest first
 
     def _victim_objects(self, i: int, picked: list[BlockHash]) -> list[torch.Tensor | None]:
         """The objects of tier i's victims that must go down: those the tier

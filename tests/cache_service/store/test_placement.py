@@ -123,3 +123,31 @@ def test_a_write_that_lands_during_a_load_is_found(tmp_path):
     assert all_same(store.load(NS, [a]), [a])
     lower.gate.set()
     store.close()
+
+
+def test_disk_blocks_recovered_after_an_unclean_stop_are_evicted_like_any_other(tmp_path):
+    import subprocess
+    import sys
+
+    from cache_service.config import load_config
+    from cache_service.factory import open_store
+    # A process writes 20 blocks to a disk tier and ends without closing it.
+    child = ("import os\nfrom tiers.disk import DiskTier\nfrom cache_service.blocks.objects import encode_many, intact\n"
+             "from tests.cache_service.store.store_helpers import NS, OBJ, hashes, payload_for\n"
+             f"t = DiskTier({str(tmp_path)!r}, 40 * OBJ, fsync=True, check=intact)\n"
+             "hs = hashes(20)\nassert all(t.put_many(hs, encode_many(NS, hs, [payload_for(h) for h in hs])))\n"
+             "os._exit(0)\n")
+    subprocess.run([sys.executable, "-c", child], check=True)
+    # A store opens it with a policy of its own (LRU); the disk's sweep recovers the 20 blocks after that.
+    tiers = {"cpu": {"capacity": 16 * OBJ, "slot_bytes": OBJ, "shared": "no"},
+             "disk": {"path": str(tmp_path), "capacity": 40 * OBJ, "fsync": False, "policy": "lru"}}
+    store = open_store(load_config(env={}, overrides={"tiers": tiers}))
+    disk = store.tiers[1]
+    assert disk.swept.wait(60) and disk.stats.blocks == 20
+    # Sixty new blocks later the disk holds the newest forty: the recovered ones were evicted, not kept for good.
+    new = hashes(60, start=1000)
+    for a in range(0, 60, 5):
+        store.store(NS, new[a:a + 5], [payload_for(h) for h in new[a:a + 5]])
+        assert store.flush(30)
+    assert sum(disk.contains_many(hashes(20))) == 0 and sum(disk.contains_many(new)) == 40
+    store.close()
