@@ -110,7 +110,7 @@ def chain_hashes(
     per full block (LoRA id, multimodal hash, ...).
     """
     assert len(parent) == HASH_BYTES, "parent must be a 16-byte hash"
-    if _hashchain is not None and not extras and isinstance(token_ids, (list, tuple)):
+    if _hashchain is not None and extras is None and isinstance(token_ids, (list, tuple)):
         try:  # the common case (a list of ints) without building an array first
             return _hashchain.chain_list(parent, token_ids, block_tokens)
         except OverflowError:

@@ -153,8 +153,7 @@ def encode_objects(rows: torch.Tensor, slots: Sequence[int], ns: Namespace, hash
 
 
 def payload_bytes(ns: Namespace, payloads: Sequence[torch.Tensor]) -> list[np.ndarray]:
-    """Each payload's bytes as a flat uint8 array (a view where it can be);
-    ValueError for one of the wrong size."""
+    """Each payload's bytes as a flat uint8 array (a view where it can be); ValueError for a wrong size."""
     return [_flat(ns, p).numpy() for p in payloads]
 
 
@@ -265,6 +264,7 @@ def decode(obj: torch.Tensor, ns: Namespace, h: BlockHash, verify_payload: bool 
     if verify_payload and checksum(payload.cpu()) != csum:
         raise CorruptBlockError("payload checksum mismatch")
     dtype = getattr(torch, ns.kv_dtype)
+    payload = payload.clone() if payload.data_ptr() % dtype.itemsize else payload  # an odd offset: no wider view
     return payload.view(dtype).view(ns.block_shape)
 
 

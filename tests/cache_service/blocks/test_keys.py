@@ -107,3 +107,11 @@ def test_a_namespace_has_one_canonical_form():
         Namespace("m", "float16", 2, 2, 8, model_revision="r\ntp_rank=1\ntp_world=2\ncodec=raw\ntenant_salt=A")
     with pytest.raises(ConfigError, match="tenant_salt"):
         Namespace("m", "float16", 2, 2, 8).with_tenant("A\ntp_rank=0")
+
+
+def test_no_extras_and_an_empty_list_of_extras_differ_alike_on_every_path():
+    # extras=[] for tokens with full blocks: one extra per block is missing, on the list path as on the array path
+    with pytest.raises(ValueError, match="extras"):
+        chain_hashes(bytes(16), [1, 2, 3, 4], 2, extras=[])
+    with pytest.raises(ValueError, match="extras"):
+        chain_hashes(bytes(16), np.array([1, 2, 3, 4]), 2, extras=[])

@@ -187,3 +187,12 @@ def test_rehead_gives_a_payload_new_keys_in_rows_pool_slots_and_views():
     # adopt: checked as sent, then headed for the store's keys
     fresh = torch.stack([encode(NS, h, _payload(i)) for i, h in enumerate(K[:3])])
     assert objects.adopt(fresh, NS, K[:3], tenant, K[3:6]) == sums and torch.equal(fresh, rows)
+
+
+def test_a_sound_object_at_an_odd_offset_decodes():
+    # an object that is a view at an odd byte offset (inside a larger buffer): verified, then decoded
+    obj = encode(NS, H[0], _payload(9))
+    buf = torch.zeros(obj.numel() + 1, dtype=torch.uint8)
+    buf[1:] = obj
+    assert verify([buf[1:]], NS, H[:1]) != [None]
+    assert torch.equal(decode(buf[1:], NS, H[0]).view(torch.int16), _payload(9).view(torch.int16))
