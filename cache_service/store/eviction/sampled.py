@@ -56,8 +56,7 @@ class SampledLRUPolicy(EvictionPolicy):
         self._passed.discard(h)
 
     def victim(self, pinned: PinnedFn) -> BlockHash | None:
-        self._passed = {h for h in self._passed if pinned(h)}  # unpinned since: candidates again
-        for _ in range(_REFILLS):
+        for refills in range(_REFILLS):
             while self._pool:
                 h = next(iter(self._pool))
                 del self._pool[h]
@@ -68,6 +67,8 @@ class SampledLRUPolicy(EvictionPolicy):
                     continue
                 self._taken.add(h)
                 return h
+            if not refills:  # the tier names candidates only at a refill: those unpinned since may come again
+                self._passed = {h for h in self._passed if pinned(h)}
             if not self._refill():
                 return None
         return None
