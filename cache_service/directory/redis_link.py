@@ -96,12 +96,12 @@ class Link:
         """Let a request go ahead (True: as the outage's one probe), or count it skipped and raise Unavailable."""
         with self._lock:
             go = self.ready() and (not self._down or (probe and not self._probing))
-            if go and self._down:
-                self._probing = True
+            probing = go and self._down
+            self._probing = self._probing or probing
         self.stats.add(**{"requests" if go else "skipped": 1})
         if not go:
             raise Unavailable
-        return self._down
+        return probing
 
     def _client_for(self, what: str) -> redis.Redis:
         """The client, built if need be; Unavailable if a request failed while
