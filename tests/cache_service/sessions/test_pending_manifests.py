@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 from cache_service.config import S3Config
 from cache_service.sessions.manifests import Session, SessionStore
 from cache_service.sessions.shared import PendingManifests, S3Manifests
@@ -13,12 +15,19 @@ from tests.cache_service.store.store_helpers import until
 from tests.tiers.test_s3_unit import Moto
 
 
-def test_a_manifest_saved_while_s3_is_down_reaches_it_afterwards(tmp_path):
+@pytest.fixture
+def moto_bucket():
+    """(moto's S3 server, the config of a fresh bucket on it); the server is stopped at the end."""
     moto = Moto()
     bucket = f"sessions-{uuid.uuid4().hex[:8]}"
     moto.client().create_bucket(Bucket=bucket)
-    cfg = S3Config(bucket=bucket, capacity=1 << 30, endpoint=moto.url, access_key="k", secret_key="s",
-                   retries=0, connect_timeout=0.5, read_timeout=1.0)
+    yield moto, S3Config(bucket=bucket, capacity=1 << 30, endpoint=moto.url, access_key="k", secret_key="s",
+                         retries=0, connect_timeout=0.5, read_timeout=1.0)
+    moto.stop()
+
+
+def test_a_manifest_saved_while_s3_is_down_reaches_it_afterwards(tmp_path, moto_bucket):
+    moto, cfg = moto_bucket
     s3 = S3Manifests(cfg)
     manifests = PendingManifests(s3, SessionStore(tmp_path), retry_s=0.2)
     try:
@@ -37,15 +46,10 @@ def test_a_manifest_saved_while_s3_is_down_reaches_it_afterwards(tmp_path):
         assert manifests.list("acme") == ["before", "during"]
     finally:
         manifests.close()
-        moto.stop()
 
 
-def test_a_waiting_manifest_never_overwrites_a_newer_save_from_another_node(tmp_path):
-    moto = Moto()
-    bucket = f"sessions-{uuid.uuid4().hex[:8]}"
-    moto.client().create_bucket(Bucket=bucket)
-    cfg = S3Config(bucket=bucket, capacity=1 << 30, endpoint=moto.url, access_key="k", secret_key="s",
-                   retries=0, connect_timeout=0.5, read_timeout=1.0)
+def test_a_waiting_manifest_never_overwrites_a_newer_save_from_another_node(tmp_path, moto_bucket):
+    moto, cfg = moto_bucket
     here = PendingManifests(S3Manifests(cfg), SessionStore(tmp_path), retry_s=3600)  # retried by hand below
     other = S3Manifests(cfg)
     try:
@@ -60,4 +64,3 @@ def test_a_waiting_manifest_never_overwrites_a_newer_save_from_another_node(tmp_
         assert other.get("plan", "acme").token_ids == [1, 2] and here.local.list("acme") == []
     finally:
         here.close()
-        moto.stop()

@@ -39,6 +39,28 @@ def _pause_after(obj, name: str, before: bool = False):
     return paused, go
 
 
+def _down_without_journal(tmp_path) -> tuple[TieredStore, FlakyDisk]:
+    """A store cpu -> lower with no journal, the lower tier down: refused blocks are remembered by hash."""
+    lower = FlakyDisk(tmp_path / "lower", 4096 * OBJ, fsync=False)
+    lower.down = True
+    store = TieredStore([CpuTier(64 * OBJ, OBJ), lower], [make_policy("lru", 64), make_policy("lru", 4096)],
+                        ["through", "through"])
+    return store, lower
+
+
+def _retry_meets_a_delete(store, lower: FlakyDisk, hs: list, obj, name: str) -> None:
+    """The lower tier comes back; the retry tick pauses as obj.name returns, and hs[:2] are deleted then:
+    the retry writes the others, not the deleted ones."""
+    paused, go = _pause_after(obj, name)
+    lower.down = False
+    assert paused.wait(20)
+    store.delete(hs[:2])
+    go.set()
+    assert until(lambda: lower.contains_many(hs[2:]) == [True, True])
+    assert store.flush(10) and lower.contains_many(hs[:2]) == [False, False]
+    assert store.lookup(hs) == 0
+
+
 def test_a_retry_read_from_the_journal_before_a_delete_does_not_write_the_block_after_it(tmp_path):
     store, lower = open_pair(tmp_path, down=True)
     hs = hashes(4)
@@ -46,44 +68,23 @@ def test_a_retry_read_from_the_journal_before_a_delete_does_not_write_the_block_
     store.store(NS, hs, [payload_for(h) for h in hs])
     assert store.flush(10) and len(store._state.journals[1]) == 4
     # It comes back; the retry tick reads the journal, and a delete comes before its write.
-    paused, go = _pause_after(store._state.journals[1], "read")
-    lower.down = False
-    assert paused.wait(20)
-    store.delete(hs[:2])
-    go.set()
-    # The retry wrote the others, not the deleted ones.
-    assert until(lambda: lower.contains_many(hs[2:]) == [True, True])
-    assert store.flush(10) and lower.contains_many(hs[:2]) == [False, False]
-    assert store.lookup(hs) == 0
+    _retry_meets_a_delete(store, lower, hs, store._state.journals[1], "read")
     store.close()
 
 
 def test_a_retry_read_from_the_tiers_above_before_a_delete_does_not_write_the_block_after_it(tmp_path):
     # No journal: refused blocks are remembered by hash, their bytes read back from the memory tier.
-    lower = FlakyDisk(tmp_path / "lower", 4096 * OBJ, fsync=False)
-    lower.down = True
-    store = TieredStore([CpuTier(64 * OBJ, OBJ), lower], [make_policy("lru", 64), make_policy("lru", 4096)],
-                        ["through", "through"])
+    store, lower = _down_without_journal(tmp_path)
     hs = hashes(4)
     store.store(NS, hs, [payload_for(h) for h in hs])
     assert store.flush(10) and len(store._state.deferred[1]) == 4
     # The tier comes back; the tick reads the blocks from above, and a delete comes before its write.
-    paused, go = _pause_after(store._placement.backlog, "_read_above")
-    lower.down = False
-    assert paused.wait(20)
-    store.delete(hs[:2])
-    go.set()
-    assert until(lambda: lower.contains_many(hs[2:]) == [True, True])
-    assert store.flush(10) and lower.contains_many(hs[:2]) == [False, False]
-    assert store.lookup(hs) == 0
+    _retry_meets_a_delete(store, lower, hs, store._placement.backlog, "_read_above")
     store.close()
 
 
 def test_a_delete_forgets_blocks_remembered_for_a_tier_that_was_down(tmp_path):
-    lower = FlakyDisk(tmp_path / "lower", 4096 * OBJ, fsync=False)
-    lower.down = True
-    store = TieredStore([CpuTier(64 * OBJ, OBJ), lower], [make_policy("lru", 64), make_policy("lru", 4096)],
-                        ["through", "through"])
+    store, _ = _down_without_journal(tmp_path)
     hs = hashes(4)
     store.store(NS, hs, [payload_for(h) for h in hs])
     assert store.flush(10)

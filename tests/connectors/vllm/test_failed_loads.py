@@ -46,6 +46,14 @@ def bad_in_store(client, x, first: int, last: int) -> bool:
     return any(g is not None and bool((g == BAD).all()) for g in got)
 
 
+def flash_worker(client, pages: int) -> tuple[WorkerSide, dict]:
+    """A worker side over vLLM flash-layout caches of `pages` pages: (worker, caches)."""
+    cache = vllm_cache("flash", pages, PAGE, 7)
+    w = WorkerSide(client, NS, PAGE)
+    w.register(cache)
+    return w, cache
+
+
 def test_the_next_chunk_planned_before_the_failure_was_reported_is_not_saved(client):
     x = tokens(400, 3)
     stored_blocks(client, x, 4)
@@ -57,9 +65,7 @@ def test_the_next_chunk_planned_before_the_failure_was_reported_is_not_saved(cli
     n_seen = n1_seen = sched.failures
     # Block 2 is gone when step N loads: N fails, and N+1 computes on the invalid pages.
     client.delete(prefix_hashes(NS, x)[2:3])
-    cache = vllm_cache("flash", 32, PAGE, 7)
-    w = WorkerSide(client, NS, PAGE)
-    w.register(cache)
+    w, cache = flash_worker(client, 32)
     w.load(loads_n, n_seen)
     w.save(saves_n, n_seen)
     failed = w.take_failed()
@@ -86,9 +92,7 @@ def test_a_request_sharing_the_failed_pages_in_the_same_step_is_not_saved(client
     assert sched.matched_tokens("B", xb, 64, "") == 0
     loads, saves = sched.plan([("A", 64, 36), ("B", 64, 36)], {"A": a_pages, "B": b_pages}.__getitem__)
     client.delete(prefix_hashes(NS, x)[2:3])
-    cache = vllm_cache("flash", 16, PAGE, 7)
-    w = WorkerSide(client, NS, PAGE)
-    w.register(cache)
+    w, cache = flash_worker(client, 16)
     w.load(loads, sched.failures)
     compute(cache, [4, 5, 10, 11], BAD)  # both attend to the invalid pages 2 and 3
     w.save(saves, sched.failures)
@@ -105,9 +109,7 @@ def test_a_save_deferred_past_the_failure_report_is_not_saved(client):
     sched.allocated("A", pages, sched.matched_tokens("A", x, 0, ""))
     loads, saves = sched.plan([("A", 64, 36)], lambda r: pages)
     client.delete(prefix_hashes(NS, x)[2:3])
-    cache = vllm_cache("flash", 8, PAGE, 7)
-    w = WorkerSide(client, NS, PAGE)
-    w.register(cache)
+    w, cache = flash_worker(client, 8)
     w.load(loads, sched.failures)
     compute(cache, [4, 5], BAD)
     assert w.take_invalid_pages() and w.take_failed() == {"A": 32}
