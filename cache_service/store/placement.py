@@ -109,13 +109,14 @@ class Placement:
         tier below can take it, goes into `victims` (see `evicted`; `mark`:
         the delete log's, taken before the victims are read)."""
         tier = self.state.tiers[i]
+        if need > tier.free_bytes():
+            self._adopt_unknown(i)
         while (short := need - tier.free_bytes()) > 0:
             # as many victims as the tier's average block frees that much: one batched read and delete
             used, blocks = tier.stats.used_bytes, tier.stats.blocks
             pins = self.state.pins
-            n, pinned = -(-short // max(1, used // blocks)) if blocks else 1, pins.is_pinned if pins.any() else None
-            self._adopt_unknown(i)
-            picked = self.state.policies[i].victims(n, pinned)
+            picked = self.state.policies[i].victims(-(-short // max(1, used // blocks)) if blocks else 1,
+                                                    pins.is_pinned if pins.any() else None)
             if not picked:
                 break
             objs = self._victim_objects(i, picked)
