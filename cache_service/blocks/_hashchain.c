@@ -113,7 +113,13 @@ static PyObject *chain_list(PyObject *self, PyObject *args) {
         if (!h) { Py_CLEAR(out); break; }
         PyList_SET_ITEM(out, i, h);
     }
-    if (!buf) { Py_CLEAR(out); PyErr_NoMemory(); }
+    if (!buf && out) { Py_CLEAR(out); PyErr_NoMemory(); }
+    /* The ids past the last full block are not hashed, but are checked as the
+     * array path checks them: one input, one answer, whichever path reads it. */
+    for (Py_ssize_t k = n * bt; out && k < PySequence_Fast_GET_SIZE(fast); k++) {
+        uint32_t u;
+        if (token_bits(items[k], &u) < 0) Py_CLEAR(out);
+    }
     PyMem_Free(buf);
     PyBuffer_Release(&parent);
     Py_DECREF(fast);

@@ -92,6 +92,8 @@ def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "biu":  # a float id would be truncated into another token's
+        raise ValueError(f"token ids must be integers, got {arr.dtype}")
     if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
         raise ValueError("token ids must fit in int32")
     return arr.astype("<i4", copy=False).tobytes()

@@ -95,6 +95,26 @@ def test_bad_namespaces_and_tokens_are_rejected():
         chain_hashes(bytes(16), [[1, 2]], 1)
 
 
+@pytest.mark.parametrize("tokens", [[1, 2, 3, 4.0], [1, 2, 3, 4.7], np.array([1.0, 2.0, 3.0, 4.0])])
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_float_token_ids_are_refused_not_truncated(monkeypatch, accelerated, tokens):
+    # 4.7 read as 4 would give another prompt's hashes: a float id is an error on every path
+    if not accelerated:
+        monkeypatch.setattr(keys, "_hashchain", None)
+    with pytest.raises(ValueError, match="integers"):
+        chain_hashes(bytes(16), tokens, 2)
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_ids_past_the_last_full_block_are_checked_on_every_path(monkeypatch, accelerated):
+    # the partial block is not hashed, but an id outside int32 there is the same error the array path gives
+    if not accelerated:
+        monkeypatch.setattr(keys, "_hashchain", None)
+    for tokens in ([1, 2, 3, 4, 2**40], np.array([1, 2, 3, 4, 2**40])):
+        with pytest.raises(ValueError, match="int32"):
+            chain_hashes(bytes(16), tokens, 2)
+
+
 def test_a_namespace_has_one_canonical_form():
     # 0.0 for a rank, True for a count: equal to the int namespace, written differently (two fingerprints
     # for one layout, whichever came first in the process)
