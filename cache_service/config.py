@@ -355,8 +355,16 @@ def build(cls: type, raw: Mapping[str, Any] | None, prefix: str = "") -> Any:
 
 def _env_tree(env: Mapping[str, str]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
+    sections = tuple(f"{f.name}_" for f in fields(Config))
     for name, value in env.items():
-        if not name.startswith("TIERKV_") or name in ("TIERKV_CACHE_DIR",) or "__" not in name:
+        if not name.startswith("TIERKV_") or name in ("TIERKV_CACHE_DIR",):
+            continue
+        if "__" not in name:  # other TIERKV_ variables (TIERKV_TOKEN...) are not config, but a section's name is
+            rest = name[len("TIERKV_"):].lower()
+            if rest.startswith(sections):
+                section = rest.split("_", 1)[0]
+                raise ConfigError(f"{name}: config variables put __ between levels, "
+                                  f"e.g. TIERKV_{section.upper()}__{rest[len(section) + 1:].upper()}")
             continue
         path = name[len("TIERKV_"):].lower().split("__")
         node = tree

@@ -53,6 +53,14 @@ def test_bad_config_names_the_key(tmp_path, text, needle):
         load_config(f, env={})
 
 
+def test_a_config_variable_without_double_underscores_is_an_error_not_ignored():
+    # TIERKV_STORE_QUEUE_DEPTH names a section but not a key: silently ignoring it would run another config
+    with pytest.raises(ConfigError, match="TIERKV_STORE_QUEUE_DEPTH: .*TIERKV_STORE__QUEUE_DEPTH"):
+        load_config(env={"TIERKV_STORE_QUEUE_DEPTH": "7"})
+    # other TIERKV_ variables (the token, the servers' folder) are not config and pass
+    assert load_config(env={"TIERKV_TOKEN": "t", "TIERKV_SERVERS_DIR": "/tmp/x"}).store.queue_depth > 0
+
+
 def test_bad_env_value_names_the_key():
     # a wrong value in the environment is reported with its dotted key
     with pytest.raises(ConfigError, match="fsync"):
