@@ -21,6 +21,12 @@ OK = grpc.StatusCode.OK.value[0]
 CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
 def send(sock: socket.socket, tag: int, body: bytes, fds: list[int] | None = None) -> None:
     """One frame; `fds` (Unix sockets) travel with its first bytes."""
     data = FRAME.pack(len(body), tag) + body

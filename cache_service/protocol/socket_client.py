@@ -11,7 +11,7 @@ import socket
 
 import grpc
 
-from cache_service.protocol.frames import CODES, FRAME, MAX_BODY, OK, exactly, fill, send
+from cache_service.protocol.frames import CODES, FRAME, MAX_BODY, OK, exactly, fill, peer_uid, send
 from cache_service.protocol.ops import SPECS, Op
 
 
@@ -42,6 +42,9 @@ class SocketClient:
             self._sock.settimeout(connect_timeout_s)
             try:
                 self._sock.connect(address)
+                if address.startswith("\0") and peer_uid(self._sock) != os.getuid():
+                    # an abstract name has no permissions: another user may have bound it first
+                    raise PermissionError(f"socket {address[1:]!r} is served by another user")
             except BaseException:
                 self._sock.close()
                 raise

@@ -26,7 +26,7 @@ from typing import Callable
 
 import grpc
 
-from cache_service.protocol.frames import CALL_TIMEOUT_S, HELLO_BODY, HELLO_TIMEOUT_S, OK, fill, receive, send
+from cache_service.protocol.frames import CALL_TIMEOUT_S, HELLO_BODY, HELLO_TIMEOUT_S, OK, fill, peer_uid, receive, send
 from cache_service.protocol.messages import RequestError
 from cache_service.protocol.ops import Op
 from tiers.arena import Arena
@@ -105,6 +105,13 @@ def _remove_stale(prefix: str) -> None:
             continue
 
 
+def _is_own_user(conn: socket.socket) -> bool:
+    try:
+        return peer_uid(conn) == os.getuid()
+    except OSError:
+        return False
+
+
 def abstract_listener(name: str) -> socket.socket:
     """A Unix socket bound to an abstract name ("\\0..."): no file, gone with the process."""
     assert name.startswith("\0")
@@ -122,8 +129,11 @@ class FramedServer:
     CALL_TIMEOUT_S of its header; `close` drains (see the module doc)."""
 
     def __init__(self, listener: socket.socket, hello: Callable[[bytes], object], dispatch: Dispatch,
-                 max_connections: int = 256, name: str = "tierkv-socket", owned_dir: Path | None = None) -> None:
+                 max_connections: int = 256, name: str = "tierkv-socket", owned_dir: Path | None = None,
+                 same_user: bool = False) -> None:
+        """`same_user`: only processes of this user connect (an abstract name has no file permissions)."""
         self.hello, self.dispatch, self.max_connections, self.name = hello, dispatch, max_connections, name
+        self.same_user = same_user
         self._dir = owned_dir  # removed on close
         self.path = str(owned_dir / "sock") if owned_dir is not None else ""
         self._listener = listener
@@ -147,6 +157,9 @@ class FramedServer:
                     return
                 log.warning("%s: accept failed (%s); retrying", self.name, e)  # EMFILE, ECONNABORTED, ...
                 time.sleep(0.1)
+                continue
+            if self.same_user and not _is_own_user(conn):
+                conn.close()
                 continue
             with self._lock:
                 if self._closing or len(self._conns) >= self.max_connections:

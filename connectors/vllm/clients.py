@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from typing import Any, Callable
 
 from cache_service.store.tiered_store import TieredStore
 from connectors.client import CacheClient, connect
@@ -13,40 +15,101 @@ from tiers.types import ConfigError, TierKVError, TierUnavailableError
 log = logging.getLogger("vllm.tierkv")
 
 _clients: dict[str, list] = {}  # url -> [client, users, lookup server or None]
-_clients_lock = threading.Lock()
+_clients_lock = threading.RLock()
 
 
-def acquire(url: str, worker: bool) -> CacheClient | RemoteLookup | None:
+class CacheNotOpen(TierUnavailableError):
+    """A LateClient's cache is not open yet (logged by the LateClient, every RETRY_S)."""
+
+
+class LateClient:
+    """A client for a cache that could not be opened at startup (a daemon not
+    up yet, a directory another process holds): each use tries to open it
+    again, at most every RETRY_S, and until it opens raises
+    TierUnavailableError. The connector's dispatch boundaries make that a
+    miss, a failed load (vLLM recomputes) or a dropped save: a worker side
+    is never switched off while its scheduler side plans loads for it."""
+
+    RETRY_S = 10.0
+
+    def __init__(self, url: str, why: str, opened: Callable[[CacheClient], None]) -> None:
+        self._url, self._why, self._opened = url, why, opened
+        self._lock = threading.Lock()
+        self._client: CacheClient | None = None
+        self._retry_at = time.monotonic() + self.RETRY_S
+        self._closed = False
+
+    def _real(self) -> CacheClient:
+        with self._lock:
+            if self._client is None:
+                now = time.monotonic()
+                if self._closed or now < self._retry_at:
+                    raise CacheNotOpen(self._why)
+                self._retry_at = now + self.RETRY_S
+                try:
+                    client = connect(self._url)
+                except TierUnavailableError as e:
+                    self._why = str(e)
+                    log.warning("tierkv: %s; tried again in %.0f s", e, self.RETRY_S)
+                    raise CacheNotOpen(self._why) from None
+                log.info("tierkv: %s opened", self._url)
+                self._opened(client)
+                self._client = client
+            return self._client
+
+    def __getattr__(self, name: str) -> Any:  # every method of the client, once it opens
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._real(), name)
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client, self._closed = self._client, None, True
+        if client is not None:
+            client.close()
+
+
+def acquire(url: str, worker: bool, instance: str = "") -> CacheClient | RemoteLookup | LateClient:
     """One client per URL and process. An embedded store (local://) can be
     opened by one process only: the worker, created first, owns it and serves
-    lookups (LookupServer); a scheduler in the same process shares it, one in
-    another process asks the worker (RemoteLookup)."""
+    lookups (LookupServer at an address of vLLM instance `instance`); a
+    scheduler in the same process shares it, one in another process asks the
+    worker (RemoteLookup). A cache that cannot be opened gives a LateClient."""
     with _clients_lock:
         entry = _clients.get(url)
         if entry is None:
-            entry = _clients[url] = [_open(url, worker), 0, None]
-            if worker and is_local(url) and isinstance(entry[0], TieredStore):
-                entry[2] = _serve_lookups(entry[0], url)
+            entry = _clients[url] = [None, 0, None]
+            entry[0] = _open(url, worker, instance, entry)
         entry[1] += 1
         return entry[0]
 
 
-def _open(url: str, worker: bool) -> CacheClient | RemoteLookup | None:
+def _open(url: str, worker: bool, instance: str, entry: list) -> CacheClient | RemoteLookup | LateClient:
     try:
-        return connect(url)
+        client = connect(url)
     except TierUnavailableError as e:
         if not worker and is_local(url):
             log.info("tierkv: %s; the scheduler looks blocks up through the worker that owns it", e)
-            return RemoteLookup(lookup_address(url))
-        log.warning("tierkv: %s; the connector is disabled (vLLM runs without the cache)", e)
-        return None
+            return RemoteLookup(lookup_address(url, instance))
+        log.warning("tierkv: %s; until it opens (tried every %.0f s) lookups miss, loads fail (vLLM "
+                    "recomputes) and saves are dropped", e, LateClient.RETRY_S)
+        return LateClient(url, str(e), lambda c: _opened(entry, c, url, worker, instance))
     except TierKVError as e:  # malformed URL: a configuration error, fail startup
         raise ConfigError(f"kv_connector_extra_config.url: {e}") from e
+    _opened(entry, client, url, worker, instance)
+    return client
 
 
-def _serve_lookups(store: TieredStore, url: str) -> LookupServer | None:
+def _opened(entry: list, client: CacheClient, url: str, worker: bool, instance: str) -> None:
+    """A worker that opened an embedded store serves its scheduler's lookups."""
+    if worker and is_local(url) and isinstance(client, TieredStore):
+        with _clients_lock:
+            entry[2] = _serve_lookups(client, url, instance)
+
+
+def _serve_lookups(store: TieredStore, url: str, instance: str) -> LookupServer | None:
     try:
-        return LookupServer(store, lookup_address(url))
+        return LookupServer(store, lookup_address(url, instance))
     except OSError as e:  # another process serves this store: ours is not the owner
         log.warning("tierkv: cannot serve lookups for %s (%s)", url, e)
         return None

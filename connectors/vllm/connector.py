@@ -13,9 +13,11 @@ Start vLLM with::
   `connectors.client.connect`. ``local:///dir`` embeds a store in the vLLM
   worker's process; when the scheduler runs in another process (vLLM's
   default on CPU) it looks blocks up through the worker over a local socket.
-  One vLLM instance per directory; with tensor parallelism > 1 use the
-  daemon, ``grpc://host:port``. An unreachable service disables the
-  connector with a warning; a malformed URL is an error.
+  One vLLM instance per directory; with tensor or pipeline parallelism use
+  the daemon, ``grpc://host:port`` (local:// is refused there). A service
+  that cannot be opened at startup is tried again every 10 s; until then
+  lookups miss, loads fail (vLLM recomputes) and saves are dropped, with a
+  warning. A malformed URL is an error.
 - ``block_tokens`` (int, default 16): tokens per store block. Keys are the
   engine-neutral hashes of docs/hash-spec.md, so with the default the blocks
   vLLM writes are the blocks our own engine writes for the same model, and
@@ -73,6 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from connectors.vllm.clients import acquire, close_all, release
 from connectors.vllm.hints import VllmSessionHints, hint_manifests
+from connectors.vllm.lookup import is_local
 from connectors.vllm.namespace import build_namespace
 from connectors.vllm.pages import CpuPageLayout
 from connectors.vllm.scheduler import SchedulerSide, TierKVConfig, Transfer
@@ -201,6 +204,17 @@ def _request_tenant(request: "Request", tenant: str) -> str | None:
     return f"{tenant}|cache_salt={salt}" if salt else tenant
 
 
+def _instance(vllm_config: "VllmConfig", url: str) -> str:
+    """This engine's identity, the same in its scheduler and worker processes
+    (each data-parallel rank is an engine of its own); refuses an embedded
+    store shared by several workers, which only one process can open."""
+    par = vllm_config.parallel_config
+    if is_local(url) and par.tensor_parallel_size * par.pipeline_parallel_size > 1:
+        raise ConfigError("kv_connector_extra_config.url: an embedded store (local://) is opened by one process; "
+                          "with tensor or pipeline parallelism use the daemon (tierkv serve, grpc://host:port)")
+    return f"{vllm_config.instance_id}/dp{par.data_parallel_rank}"
+
+
 class TierKVConnector(KVConnectorBase_V1):
     """tierkv's vLLM V1 KV connector (see the module docstring)."""
 
@@ -210,7 +224,7 @@ class TierKVConnector(KVConnectorBase_V1):
         is_worker = role == KVConnectorRole.WORKER
         self.ns, self.page_tokens = build_namespace(vllm_config, kv_cache_config, self.cfg,
                                                     _tp_rank() if is_worker else 0)
-        self.client = acquire(self.cfg.url, worker=is_worker)
+        self.client = acquire(self.cfg.url, worker=is_worker, instance=_instance(vllm_config, self.cfg.url))
         auto = vllm_config.device_config.device_type != "cpu"
         self.async_save = self.cfg.async_save if isinstance(self.cfg.async_save, bool) else auto
         self._closed = False

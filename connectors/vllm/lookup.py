@@ -2,13 +2,18 @@
 the scheduler (the CPU backend does by default). An embedded store
 (local://) can be opened by one process only, so the worker owns it and
 answers the scheduler's lookups (`LookupServer`) over an abstract Unix
-socket named after the store directory (`RemoteLookup` asks).
+socket named after the store directory and the vLLM instance (`RemoteLookup`
+asks): a scheduler reaches its own worker only, never another instance's on
+the same directory. An abstract name has no file permissions, so both ends
+check that the other runs as the same user (`FramedServer(same_user=True)`,
+`SocketClient`).
 Wire: tierkv's framed sockets (cache_service/protocol/frames.py), HELLO with
 no token, then LOOKUP calls (bodies: cache_service/protocol/ops.py: LookupBody)."""
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Sequence
 from urllib.parse import urlsplit
@@ -25,10 +30,10 @@ from tiers.types import BlockHash
 log = logging.getLogger("vllm.tierkv")  # under vLLM's logger, so its handler shows our lines
 
 
-def lookup_address(url: str) -> str:
-    """The abstract socket of the process that owns the embedded store of `url`."""
+def lookup_address(url: str, instance: str) -> str:
+    """The abstract socket of the worker of vLLM instance `instance` that owns the embedded store of `url`."""
     path = Path(local_config(url).tiers.disk.path).resolve()
-    return "\0tierkv-lookup-" + xxhash.xxh3_64_hexdigest(str(path).encode())
+    return "\0tierkv-lookup-" + xxhash.xxh3_64_hexdigest(f"{path}\0{instance}".encode())
 
 
 def is_local(url: str) -> bool:
@@ -37,27 +42,39 @@ def is_local(url: str) -> bool:
 
 class RemoteLookup:
     """The scheduler's view of an embedded store owned by a worker process:
-    `lookup` only (all the scheduler needs). A failure is a miss."""
+    `lookup` only (all the scheduler needs). A failure is a miss, and for
+    `QUIET_S` after it lookups miss without asking: the scheduler's step
+    runs them inline and must not wait out a timeout per request."""
 
-    def __init__(self, address: str, timeout_s: float = 5.0) -> None:
+    QUIET_S = 5.0
+
+    def __init__(self, address: str, timeout_s: float = 2.0) -> None:
         self.address, self.timeout_s = address, timeout_s
         self._client: SocketClient | None = None
         self._lock = threading.Lock()
+        self._quiet_until = 0.0
         self.errors = 0
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         body = LookupBody.request(hashes)
         with self._lock:
+            if time.monotonic() < self._quiet_until:
+                return 0
             for attempt in range(2):  # one reconnect: the worker may have restarted its server
+                began = time.monotonic()
                 try:
                     if self._client is None:
                         self._client = SocketClient(self.address, None, self.timeout_s)
                     return LookupBody.held(self._client.ask(Op.LOOKUP, body))
                 except (OSError, grpc.RpcError) as e:
                     self._drop()
-                    if attempt:
+                    slow = time.monotonic() - began >= self.timeout_s / 2  # timed out: a slow worker is not asked twice
+                    if attempt or slow:
                         self.errors += 1
-                        log.warning("tierkv: lookup via the worker's store failed (%s); a miss", e)
+                        self._quiet_until = time.monotonic() + self.QUIET_S
+                        log.warning("tierkv: lookup via the worker's store failed (%s); misses for %.0f s",
+                                    e, self.QUIET_S)
+                        break
         return 0
 
     def _drop(self) -> None:
@@ -77,7 +94,7 @@ class LookupServer:
     def __init__(self, client: CacheClient, address: str) -> None:
         self.client, self.address = client, address
         self._server = FramedServer(abstract_listener(address), lambda body: None, self._dispatch,
-                                    name="tierkv-lookup").start()
+                                    name="tierkv-lookup", same_user=True).start()
 
     def _dispatch(self, conn: Connection, op: int, body: bytes, peer) -> tuple[grpc.StatusCode, bytes, list]:
         if op != Op.LOOKUP:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 from cache_service.blocks.keys import Namespace
 from connectors.client import CacheClient
 from connectors.prefix import full_blocks
+from connectors.vllm.clients import CacheNotOpen
 from tiers.types import BlockHash, ConfigError
 
 log = logging.getLogger("vllm.tierkv")  # under vLLM's logger, so its handler shows our lines
@@ -137,8 +138,9 @@ class SchedulerSide:
         self.stats.lookups += 1
         try:
             held = self.client.lookup(st.hashes)
-        except Exception:  # dispatch boundary: an unusable store is a miss, never an error
-            log.exception("lookup failed; treating as a miss")
+        except Exception as e:  # dispatch boundary: an unusable store is a miss, never an error
+            if not isinstance(e, CacheNotOpen):  # (that one is logged where it is retried)
+                log.exception("lookup failed; treating as a miss")
             self.stats.lookup_errors += 1
             held = 0
         st.stored, st.local = held * self.bt, num_computed

@@ -29,6 +29,7 @@ from torch import Tensor
 from cache_service.blocks.keys import KV_DTYPES, Namespace
 from connectors.client import CacheClient
 from connectors.prefix import block_hashes, loaded_prefix
+from connectors.vllm.clients import CacheNotOpen
 from connectors.vllm.pages import CpuPageLayout, PagedKV
 from connectors.vllm.scheduler import Transfer
 from tiers.types import ConfigError
@@ -119,8 +120,9 @@ class WorkerSide:
         hashes = block_hashes(ns, t.token_ids, t.start, t.end)
         try:
             payloads = self.client.load(ns, hashes)
-        except Exception:  # dispatch boundary: a failed load is recomputed, never fatal
-            log.exception("tierkv: load of %d blocks failed; vLLM recomputes them", len(hashes))
+        except Exception as e:  # dispatch boundary: a failed load is recomputed, never fatal
+            if not isinstance(e, CacheNotOpen):  # (that one is logged where it is retried)
+                log.exception("tierkv: load of %d blocks failed; vLLM recomputes them", len(hashes))
             self.stats.errors += 1
             payloads = [None] * len(hashes)
         n_ok = loaded_prefix(payloads)
@@ -200,8 +202,9 @@ def _run_save(save, t: Transfer, stats: WorkerStats) -> None:
     t0 = time.perf_counter()
     try:
         save(t)
-    except Exception:  # dispatch boundary: a failed offload only costs a future miss
-        log.exception("tierkv: save of tokens [%d, %d) failed", t.start, t.end)
+    except Exception as e:  # dispatch boundary: a failed offload only costs a future miss
+        if not isinstance(e, CacheNotOpen):  # (that one is logged where it is retried)
+            log.exception("tierkv: save of tokens [%d, %d) failed", t.start, t.end)
         stats.errors += 1
     stats.save_s += time.perf_counter() - t0
 

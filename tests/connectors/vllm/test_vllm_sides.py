@@ -107,13 +107,13 @@ def test_scheduler_in_another_process_looks_up_through_the_worker(tmp_path):
     # the worker owns the embedded store and serves lookups; a second open of the directory is refused
     url = f"local://{tmp_path}/store"
     store = connect(url)
-    server = LookupServer(store, lookup_address(url))
+    server = LookupServer(store, lookup_address(url, "i"))
     try:
         with pytest.raises(TierUnavailableError):
             connect(url)
         x = tokens(700, 9)
         fill(store, x, 20)
-        remote = RemoteLookup(lookup_address(url))
+        remote = RemoteLookup(lookup_address(url, "i"))
         # the remote view answers exactly what the store answers, and plans the same loads
         hs = prefix_hashes(NS, x)
         assert remote.lookup(hs) == store.lookup(hs) == 20
@@ -123,7 +123,7 @@ def test_scheduler_in_another_process_looks_up_through_the_worker(tmp_path):
         server.close()
         store.close()
     # no owner any more: a lookup is a miss, not an error
-    assert RemoteLookup(lookup_address(url), timeout_s=1).lookup(hs) == 0
+    assert RemoteLookup(lookup_address(url, "i"), timeout_s=1).lookup(hs) == 0
 
 
 # ------------------------------------------------------------- worker side
