@@ -10,8 +10,9 @@ the proto file. Auth and TLS: cache_service/server/auth.py. Same-host clients ca
 the shared-memory calls on a Unix socket beside it (cache_service/server/socket_server.py);
 streaming clients move bytes on a TCP data path (cache_service/server/data_path.py).
 
-Shutdown (SIGTERM or SIGINT) drains: health turns NOT_SERVING, the same-host socket
-and then the server stop accepting calls, in-flight calls get ``grace_s`` to finish, then
+Shutdown (SIGTERM or SIGINT) drains: health turns NOT_SERVING, the socket servers
+and the gRPC server stop accepting calls, in-flight calls get ``grace_s`` to finish
+(and handlers whose calls were cancelled then, up to 10 s more to leave the store), then
 ``store.close()`` flushes background writes (up to the store's
 ``flush_timeout_s``) and closes the tiers, so the disk index is committed
 and closed cleanly. A restart on the same config sees every block that
@@ -38,13 +39,13 @@ from cache_service.protocol.tls import server_credentials
 from cache_service.server.auth import AuthInterceptor, Authenticator
 from cache_service.config import Config, ServerConfig, default_cache_dir
 from cache_service.server.socket_server import DaemonSocketServer
-from cache_service.factory import open_store
+from cache_service.factory import open_sessions, open_store
 from cache_service.protocol.streaming import StoreMessage
 from cache_service.server.data_path import HANDLERS
 from cache_service.server.metrics import Metrics
 from cache_service.server.pool import HANDLERS as POOL_HANDLERS
 from cache_service.server.servicer import TierKVServicer
-from cache_service.sessions.manifests import SessionManager, SessionStore
+from cache_service.sessions.manifests import Manifests, SessionManager, SessionStore
 from cache_service.server.attachments import Attachments
 from cache_service.store.tiered_store import TieredStore
 from proto import tierkv_pb2 as pb
@@ -53,6 +54,8 @@ from tiers.types import TierKVError
 log = logging.getLogger("tierkv.server")
 SERVICE = pb.DESCRIPTOR.services_by_name["TierKV"].full_name
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+HANDLER_DRAIN_S = 10.0  # at least this long for handlers whose calls a stop cancelled to leave the store
+SHARED_FLUSH_S = 60.0  # how long a shared session's save waits for its blocks to reach the lower tiers
 
 
 class DaemonError(TierKVError):
@@ -63,20 +66,27 @@ class Daemon:
     """A running (after `start`) gRPC daemon that owns `store` and closes it on `stop`;
     `settings` is the config's [server] section."""
 
-    def __init__(self, store: TieredStore, settings: ServerConfig | None = None) -> None:
+    def __init__(self, store: TieredStore, settings: ServerConfig | None = None,
+                 manifests: Manifests | None = None) -> None:
+        """`manifests`: where sessions live (`serve` passes the config's: shared
+        through Redis and S3 when it has a [directory]); by default files in
+        the settings' `sessions_dir`."""
         self.store, self.settings = store, settings or ServerConfig()
         s = self.settings
         self.auth = Authenticator.from_file(s.token_file)
         self.metrics = Metrics()
         self.attachments = Attachments(Path(s.shm_dir))
-        self.servicer = TierKVServicer(store, s, self.auth, self.metrics, self.attachments,
-                                       SessionManager(store, SessionStore(s.sessions_dir or default_cache_dir() / "store")))
+        shared = manifests is not None and not isinstance(manifests, SessionStore)
+        manifests = manifests or SessionStore(s.sessions_dir or default_cache_dir() / "store")
+        # a manifest other nodes read must not name blocks still on their way down
+        sessions = SessionManager(store, manifests, durable_timeout_s=SHARED_FLUSH_S if shared else None)
+        self.servicer = TierKVServicer(store, s, self.auth, self.metrics, self.attachments, sessions)
         self.metrics.watch_store(store.stats, self.servicer.daemon_stats)
         self.health = health.HealthServicer()
         options = [("grpc.max_receive_message_length", s.max_message_bytes),
                    ("grpc.max_send_message_length", s.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
-        reject = lambda method, code: self.metrics.observe(method.rsplit("/", 1)[-1], None, code, 0.0)  # noqa: E731
+        reject = lambda method, code: self.metrics.observe(method.rsplit("/", 1)[-1], None, code, None)  # noqa: E731
         self.server = grpc.server(ThreadPoolExecutor(s.workers, thread_name_prefix="tierkv-rpc"),
                                   interceptors=[AuthInterceptor(self.auth, reject)], options=options,
                                   maximum_concurrent_rpcs=s.max_concurrent_rpcs)
@@ -153,15 +163,33 @@ class Daemon:
         log.info("draining", extra={"fields": {"grace_s": grace}})
         self.health.enter_graceful_shutdown()
         self.servicer.socket_path, self.servicer.data_port = "", 0
-        for server in (self.same_host_server, self.data_path_server):
-            if server is not None:
-                server.close(grace)
-        self.server.stop(grace).wait()
+        # the three servers stop accepting at once and share one grace
+        closing = [threading.Thread(target=srv.close, args=(grace,), name="tierkv-drain", daemon=True)
+                   for srv in (self.same_host_server, self.data_path_server) if srv is not None]
+        for t in closing:
+            t.start()
+        stopped = self.server.stop(grace)
+        for t in closing:
+            t.join()
+        stopped.wait()
+        self._drain_handlers(max(grace, HANDLER_DRAIN_S))
         self.servicer.stalls.close()
         self.attachments.close()
+        close_manifests = getattr(self.servicer.sessions.manifests, "close", None)
+        if close_manifests is not None:  # a directory of their own (Redis), or uploads still waiting
+            close_manifests()
         self.store.close()  # flushes background writes first
         self.metrics.close()
         log.info("stopped")
+
+    def _drain_handlers(self, timeout_s: float) -> None:
+        """Wait for handlers still running: grpc's stop cancels their calls but
+        not their threads, which may still be in the store closed next."""
+        deadline = time.monotonic() + timeout_s
+        while self.servicer.in_flight > 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.servicer.in_flight > 0:
+            log.warning("stopping with %d calls still in the store", self.servicer.in_flight)
 
     def wait(self, stop: threading.Event, reap_every_s: float = 30.0) -> None:
         """Block until `stop` is set, reaping idle shared-memory attachments.
@@ -235,19 +263,25 @@ def share_cpu_pool(cfg: Config) -> None:
         cpu.shared = "yes" if top and cpu.pin != "yes" else "no"
 
 
-def serve(cfg: Config) -> int:
-    """Run the daemon of `cfg` (its [server] section) until SIGTERM/SIGINT, then drain; returns the exit code."""
+def open_daemon(cfg: Config) -> Daemon:
+    """The daemon of `cfg`, not started: its store, and its sessions (shared
+    through Redis and S3 when the config has a [directory], as for local://)."""
     settings = cfg.server
-    tune_process()
     if settings.sessions_dir is None:
         settings.sessions_dir = sessions_root(cfg)
     share_cpu_pool(cfg)
     store = open_store(cfg)
     try:
-        daemon = Daemon(store, settings)
+        return Daemon(store, settings, open_sessions(cfg, settings.sessions_dir, store))
     except BaseException:
         store.close()
         raise
+
+
+def serve(cfg: Config) -> int:
+    """Run the daemon of `cfg` (its [server] section) until SIGTERM/SIGINT, then drain; returns the exit code."""
+    tune_process()
+    daemon = open_daemon(cfg)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -194,3 +194,31 @@ def test_a_second_tenant_sees_nothing_of_the_first(node_config):
     finally:
         a.close()
         b.close()
+
+
+def test_sessions_saved_through_one_daemon_resume_through_another(node_config):
+    # two daemons (`tierkv serve` builds them so), each with its own disk, sharing Redis and S3
+    from connectors.grpc.client import GrpcClient
+    from cache_service.server.daemon import open_daemon
+
+    cfgs = [load_config(env={}, overrides=node_config(name) | {"server": {"listen": "127.0.0.1:0"}})
+            for name in ("daemon-a", "daemon-b")]
+    daemons = [open_daemon(cfg).start() for cfg in cfgs]
+    clients = [GrpcClient(f"grpc://{d.address}") for d in daemons]
+    try:
+        # a conversation saved through daemon A, its blocks stored there
+        ids = list(range(100, 100 + 4 * NS.block_tokens))
+        hashes = prefix_hashes(NS, ids)
+        clients[0].store(NS, hashes, [payload_for(h) for h in hashes])
+        clients[0].sessions.put(Session("trip", model_id=NS.model_id, namespace=NS.fingerprint().hex(),
+                                        token_ids=ids, block_tokens=NS.block_tokens))
+        # daemon B lists it, and resumes it with every block loadable (from S3, through B)
+        assert clients[1].sessions.list() == ["trip"]
+        s, held = clients[1].sessions.resume("trip", ns=NS)
+        assert s is not None and s.token_ids == ids and held == len(hashes)
+        assert all(same(got, payload_for(h)) for got, h in zip(clients[1].load(NS, hashes), hashes))
+    finally:
+        for c in clients:
+            c.close()
+        for d in daemons:
+            d.stop(grace_s=1.0)
