@@ -7,7 +7,7 @@ reads an untyped dict. Example ``tierkv.toml``::
     queue_depth = 1024          # per lower tier
     queue_full = "wait"         # or "skip"
     promote_after_hits = 2      # local lower-tier hits before a block is copied up (S3: the first; 0: never)
-    tenant_pin_bytes = "4GiB"   # a tenant's session pins at most; past it its oldest session pin yields
+    tenant_pin_bytes = "4GiB"   # a tenant's session pins at most, and its block pins; past it its oldest yield
 
     [tiers.cpu]
     capacity = "4GiB"
@@ -28,9 +28,8 @@ reads an untyped dict. Example ``tierkv.toml``::
     metrics_port = 9600         # or "off" (the default)
     data_port = "off"           # the TCP data path; default 0: any free port
 
-Environment variables address the same keys with ``__`` between levels:
-``TIERKV_TIERS__CPU__CAPACITY=8GiB``, ``TIERKV_STORE__QUEUE_FULL=skip``,
-``TIERKV_SERVER__LISTEN=0.0.0.0:7600``.
+Environment variables address the same keys with ``__`` between levels
+(``TIERKV_TIERS__CPU__CAPACITY=8GiB``; ``TIERKV_STORE_QUEUE_FULL`` is an error).
 """
 from __future__ import annotations
 
@@ -57,9 +56,8 @@ def parse_size(value: int | str, key: str = "size") -> int:
     """Bytes from an int or a string like "4GiB", "512 MiB", "1.5GB"."""
     if isinstance(value, bool):
         raise ConfigError(f"{key}: expected a size, got {value!r}")
-    if isinstance(value, int):
-        n = value
-    else:
+    n = value if isinstance(value, int) else None
+    if n is None:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
             raise ConfigError(f"{key}: cannot parse size {value!r} (use e.g. 4GiB, 512MiB, 1000000)")
@@ -355,16 +353,12 @@ def build(cls: type, raw: Mapping[str, Any] | None, prefix: str = "") -> Any:
 
 def _env_tree(env: Mapping[str, str]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
-    sections = tuple(f"{f.name}_" for f in fields(Config))
+    sections = {f.name for f in fields(Config)}
     for name, value in env.items():
-        if not name.startswith("TIERKV_") or name in ("TIERKV_CACHE_DIR",):
-            continue
-        if "__" not in name:  # other TIERKV_ variables (TIERKV_TOKEN...) are not config, but a section's name is
-            rest = name[len("TIERKV_"):].lower()
-            if rest.startswith(sections):
-                section = rest.split("_", 1)[0]
-                raise ConfigError(f"{name}: config variables put __ between levels, "
-                                  f"e.g. TIERKV_{section.upper()}__{rest[len(section) + 1:].upper()}")
+        section, _, key = name[len("TIERKV_"):].partition("_")
+        if not name.startswith("TIERKV_") or "__" not in name:  # other TIERKV_ variables are not config...
+            if name.startswith("TIERKV_") and section.lower() in sections:  # ...but a section's name is
+                raise ConfigError(f"{name}: config variables put __ between levels, e.g. TIERKV_{section}__{key}")
             continue
         path = name[len("TIERKV_"):].lower().split("__")
         node = tree

@@ -106,14 +106,24 @@ def session_to_pb(s: Session) -> pb.Session:
 def session_from_pb(msg: pb.Session) -> Session:
     try:
         messages = json.loads(msg.messages_json) if msg.messages_json else []
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # nested past the parser's depth: as malformed as bad JSON
         raise invalid(f"session.messages_json is not JSON: {e}") from None
+    if msg.namespace and (len(msg.namespace) != 32 or not _is_hex(msg.namespace)):
+        raise invalid("session.namespace must be empty or a namespace fingerprint (32 hex digits)")
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise invalid("session.messages_json must be a JSON list of objects")
     if any(not -(2**31) <= t < 2**31 for t in msg.token_ids):
         raise invalid("session.token_ids must fit in int32")
     return Session(session_id=msg.session_id, tenant=msg.tenant, model_id=msg.model_id, namespace=msg.namespace,
                    messages=messages, token_ids=list(msg.token_ids), updated_s=msg.updated_s)
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- stats

@@ -12,7 +12,9 @@ Metrics (one registry per daemon, served on ``--metrics-port``):
 - ``tierkv_rpc_seconds{method}`` latency histogram, and
   ``tierkv_rpc_total{method,tenant,code}``;
 - ``tierkv_tenant_bytes_total{tenant,direction}``: payload bytes loaded/stored;
-- ``tierkv_shm_attachments`` and ``tierkv_uptime_seconds``.
+- ``tierkv_shm_attachments`` and ``tierkv_uptime_seconds``;
+- ``tierkv_pinned_blocks``, ``tierkv_session_pins``, ``tierkv_session_pinned_bytes``
+  gauges and ``tierkv_pins_yielded_total`` (cache_service/store/pins.py).
 
 Logs: `StructuredFormatter` renders records as JSON lines or ``key=value``
 pairs; pass fields with ``log.info("msg", extra={"fields": {...}})``.
@@ -30,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 _GAUGES = ("blocks", "used_bytes", "capacity_bytes", "queue_depth", "journal_blocks", "journal_bytes", "recovering")
+_DAEMON_COUNTERS = ("pins_yielded",)  # of the daemon's own figures; the others are gauges
 ANONYMOUS = "-"  # tenant label with auth off
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -54,7 +57,8 @@ class StoreCollector(Collector):
                     fam.add_metric([tier], counters[key])
             yield fam
         for key, value in (self._daemon() if self._daemon else {}).items():
-            yield GaugeMetricFamily(f"tierkv_{key}", f"daemon {key.replace('_', ' ')}", value=value)
+            kind = CounterMetricFamily if key in _DAEMON_COUNTERS else GaugeMetricFamily
+            yield kind(f"tierkv_{key}", f"daemon {key.replace('_', ' ')}", value=value)
 
 
 class Metrics:
@@ -71,8 +75,10 @@ class Metrics:
         self._http = None
         self.started = time.monotonic()
 
-    def observe(self, method: str, tenant: str | None, code: grpc.StatusCode, seconds: float) -> None:
-        self.rpc_seconds.labels(method).observe(seconds)
+    def observe(self, method: str, tenant: str | None, code: grpc.StatusCode, seconds: float | None) -> None:
+        """One call answered; `seconds` None for a call refused before it ran (not a latency)."""
+        if seconds is not None:
+            self.rpc_seconds.labels(method).observe(seconds)
         self.rpc_total.labels(method, tenant or ANONYMOUS, code.name).inc()
 
     def moved(self, tenant: str | None, direction: str, nbytes: int) -> None:

@@ -87,7 +87,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         try:
             return call(*args, **kwargs)
         except ValueError as e:
-            raise invalid(f"session token ids: {e}") from None
+            raise invalid(f"session: {e}") from None
 
     # ------------------------------------------------------------ blocks
     @rpc
@@ -212,7 +212,8 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @rpc
     def Pin(self, request, context, tenant):
         _, keys = self._blocks(request, tenant, need_ns=False)
-        self.store.pins.pin(keys, request.ttl_s if request.ttl_s > 0 else None)
+        held = [h for h, ok in zip(keys, self.store.holds(keys)) if ok]  # a pin keeps a block: of absent ones, nothing
+        self.store.pins.pin(held, request.ttl_s if request.ttl_s > 0 else None, tenant or "")
         return pb.PinReply()
 
     @rpc
@@ -244,7 +245,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     def daemon_stats(self) -> dict[str, int]:
         count, nbytes = self.attachments.counts()
         return {"uptime_seconds": int(time.monotonic() - self.started), "shm_attachments": count,
-                "shm_attached_bytes": nbytes, "rpcs_in_flight": self.in_flight}
+                "shm_attached_bytes": nbytes, "rpcs_in_flight": self.in_flight, **self.store.pins.stats()}
 
     # ------------------------------------------------------------ sessions
     # (cache_service/sessions/manifests.py: SessionManager; the manifests' owner is the

@@ -199,4 +199,6 @@ class SessionManager:
         it was saved under (else `ns`), salted for `key_tenant`. ValueError for
         token ids that are not int32."""
         root = bytes.fromhex(s.namespace) if s.namespace else ns.fingerprint()
+        if len(root) != 16:
+            raise ValueError(f"session namespace {s.namespace!r:.40} is not a fingerprint (32 hex digits)")
         return tenant_keys(key_tenant, chain_hashes(root, s.token_ids, s.block_tokens or ns.block_tokens))

@@ -7,10 +7,14 @@ A block stays pinned while any pin covers it, so a sub-agent forked from its
 parent's prefix shares the parent's pinned blocks (no copy) and pins its
 own tail on top.
 
-Session pins are bounded per tenant: the bytes of a tenant's distinct
+Pins are bounded per tenant: the bytes of a tenant's distinct
 session-pinned blocks stay under `cap_bytes`; past it the tenant's oldest
 session pin yields (counted as ``pins_yielded`` and logged), and the pin
-that asked still holds, so the request that made it succeeds.
+that asked still holds, so the request that made it succeeds. A tenant's
+block pins stay under `cap_bytes` too, its oldest block pins yielding, those
+of the asking call included. A block counts for at least the store's typical
+stored block (`typical_bytes`), whatever size the caller claims, and expired
+block pins are swept as session pins are, asked about or not.
 """
 from __future__ import annotations
 
@@ -20,12 +24,12 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tiers.types import BlockHash
 
 log = logging.getLogger("tierkv.pins")
-EXPIRY_CHECK_S = 1.0  # expired session pins are dropped at most this often (they are few)
+EXPIRY_CHECK_S = 1.0  # expired pins are swept at most this often (and before every new pin)
 
 
 @dataclass(slots=True)
@@ -38,11 +42,15 @@ class SessionPin:
 class PinBook:
     """All pins of one store; thread-safe, no I/O under its lock."""
 
-    def __init__(self, cap_bytes: int = 0) -> None:
-        """`cap_bytes`: a tenant's session-pinned bytes at most (0: no cap)."""
-        self.cap_bytes = cap_bytes
+    def __init__(self, cap_bytes: int = 0, typical_bytes: Callable[[], int] = lambda: 0) -> None:
+        """`cap_bytes`: a tenant's session-pinned bytes at most, and its block-pinned
+        bytes (0: no cap); `typical_bytes`: what a stored block takes (the floor of a block's count)."""
+        self.cap_bytes, self.typical_bytes = cap_bytes, typical_bytes
         self._lock = threading.Lock()
         self._blocks: dict[BlockHash, float] = {}  # block pins: hash -> monotonic deadline
+        self._block_owner: dict[BlockHash, str] = {}  # the tenant whose count a block pin is in
+        self._tenant_blocks: dict[str, OrderedDict[BlockHash, int]] = {}  # oldest first, with their bytes
+        self._block_bytes: Counter[str] = Counter()
         self._sessions: OrderedDict[tuple[str, str], SessionPin] = OrderedDict()  # oldest first
         self._refs: Counter[BlockHash] = Counter()  # hash -> session pins covering it
         self._tenant_refs: dict[str, Counter[BlockHash]] = {}
@@ -52,22 +60,53 @@ class PinBook:
         self.yielded = 0
 
     # ------------------------------------------------------------- block pins
-    def pin(self, hashes: Sequence[BlockHash], ttl_s: float | None = None) -> None:
-        """Pin blocks for `ttl_s` seconds (None: until `unpin`)."""
-        until = math.inf if ttl_s is None else time.monotonic() + ttl_s
+    def pin(self, hashes: Sequence[BlockHash], ttl_s: float | None = None, tenant: str = "") -> int:
+        """Pin blocks for `ttl_s` seconds (None: until `unpin`), counted for
+        `tenant`; returns how many of its block pins yielded to the cap."""
+        now = time.monotonic()
+        until = math.inf if ttl_s is None else now + ttl_s
+        size = max(1, self.typical_bytes())
         with self._lock:
+            self._expire(now)
+            mine = self._tenant_blocks.setdefault(tenant, OrderedDict())
             for h in hashes:
                 self._blocks[h] = max(until, self._blocks.get(h, 0.0))
+                if self._block_owner.get(h, tenant) != tenant:
+                    self._uncount(h)
+                if h not in mine:
+                    mine[h] = size
+                    self._block_bytes[tenant] += size
+                    self._block_owner[h] = tenant
+                mine.move_to_end(h)
+            yielded = 0
+            if self.cap_bytes and self._block_bytes[tenant] > self.cap_bytes:
+                self._expire(now, force=True)  # expired pins leave before a live one yields
+            while self.cap_bytes and self._block_bytes[tenant] > self.cap_bytes:
+                self._unpin_block(next(iter(mine)))
+                yielded += 1
+            if yielded:
+                self.yielded += yielded
+                log.warning("tenant %r over its pin cap of %d bytes: %d block pins yielded", tenant,
+                            self.cap_bytes, yielded)
+            return yielded
 
     def unpin(self, hashes: Sequence[BlockHash]) -> None:
         """Drop the block pins of `hashes` (session pins covering them stay)."""
         with self._lock:
             for h in hashes:
-                self._blocks.pop(h, None)
+                self._unpin_block(h)
 
     def forget(self, hashes: Sequence[BlockHash]) -> None:
         """Blocks deleted from the store: no block pin survives them."""
         self.unpin(hashes)
+
+    def _unpin_block(self, h: BlockHash) -> None:
+        if self._blocks.pop(h, None) is not None:
+            self._uncount(h)
+
+    def _uncount(self, h: BlockHash) -> None:
+        owner = self._block_owner.pop(h)
+        self._block_bytes[owner] -= self._tenant_blocks[owner].pop(h)
 
     # ----------------------------------------------------------- session pins
     def pin_session(self, tenant: str, session: str, hashes: Sequence[BlockHash], ttl_s: float | None,
@@ -77,6 +116,7 @@ class PinBook:
         tenant's sessions whose pins yielded to the cap."""
         now = time.monotonic()
         until = math.inf if ttl_s is None else now + ttl_s
+        block_bytes = max(block_bytes, self.typical_bytes())  # a caller's namespace cannot make its blocks small
         with self._lock:
             self._expire(now, force=True)  # an expired pin's bytes must not push a live one out past the cap
             self._drop((tenant, session))
@@ -108,7 +148,7 @@ class PinBook:
             self._expire(now)
             until = self._blocks.get(h)
             if until is not None and until <= now:
-                del self._blocks[h]
+                self._unpin_block(h)
                 until = None
             return until is not None or self._refs[h] > 0
 
@@ -164,3 +204,5 @@ class PinBook:
         self._next_expiry_check = now + EXPIRY_CHECK_S
         for key in [k for k, p in self._sessions.items() if p.until <= now]:
             self._drop(key)
+        for h in [h for h, until in self._blocks.items() if until <= now]:  # pins nobody asks about leave too
+            self._unpin_block(h)

@@ -62,9 +62,14 @@ class StoreState:
         self.locks = [threading.RLock() for _ in self.tiers]
         self.deferred = [OrderedDict() for _ in self.tiers]
         self.counters = [dict.fromkeys(COUNTERS, 0) for _ in self.tiers]
-        self.pins = PinBook(self.cfg.tenant_pin_bytes)
+        self.pins = PinBook(self.cfg.tenant_pin_bytes, self.typical_block_bytes)
         self.journals = self.journals or [None] * len(self.tiers)
         assert len(self.journals) == len(self.tiers)
+
+    def typical_block_bytes(self) -> int:
+        """What a block takes in the top tier now (its average; 0 when empty)."""
+        stats = self.tiers[0].stats
+        return stats.used_bytes // stats.blocks if stats.blocks > 0 else 0
 
     def through(self) -> list[int]:
         """Indexes of the write-through tiers below the top (they get a copy of every new block)."""

@@ -13,20 +13,18 @@ full is dropped. Eviction is the store's job: each tier has a policy, pinned
 blocks are never victims, and a victim moves to the next tier down
 (evictions are counted even where there is no tier below).
 
-Copy-free variants for callers with their own buffers (the daemon's shared
-memory): ``load_into`` copies a slot-pool hit straight into the caller's
-object buffer and verifies it there; ``store_objects`` copies objects
-already encoded (checked in full when untrusted) once into the top tier.
+Copy-free variants for callers with buffers of their own (the daemon's shared
+memory): ``load_into`` copies a slot-pool hit into the caller's buffer and
+verifies it there; ``store_objects`` copies encoded objects once into the top.
 
 Backpressure: with ``queue_full = "wait"`` (default) a full writer queue
 makes the caller wait (bounded memory, no lower copy lost); with ``"skip"``
 the lower copy is dropped and counted (``dropped``).
 
-Three composed parts over one `StoreState` (state.py): placement (puts that
-evict, victims sent down, writers, promotion: placement.py), objects another
-process writes into a shared top tier (shared_slots.py), and lookups, loads
-and stores here. Locks: one per tier, taken top to bottom; objects handed to
-writers stay in an in-flight map, visible to ``lookup`` and ``load``.
+Three parts over one `StoreState` (state.py): placement (placement.py),
+objects another process writes into a shared top tier (shared_slots.py), and
+lookups, loads and stores here. Locks: one per tier, top to bottom; objects
+handed to writers stay in an in-flight map, seen by ``lookup`` and ``load``.
 
 Directory (optional, cache_service/directory/): blocks landing where other
 nodes can see them (this node's disk, S3) are published, gone ones
@@ -80,9 +78,8 @@ class TieredStore:
         st.writers[:] = [TierWriter(t.name if i else f"{t.name}-promote", st.cfg.queue_depth, partial(moves.persist, i),
                                     tick=partial(moves.backlog.retry, i) if i else None)
                          for i, t in enumerate(st.tiers)]
-        for pol, tier in zip(st.policies, st.tiers):
-            for h in tier.keys() if pol.rebuilt_from_keys else ():  # oldest first: recency survives a restart
-                pol.insert(h)
+        for pol, tier in zip(st.policies, st.tiers):  # oldest first: recency survives a restart
+            pol.insert_many(tier.keys() if pol.rebuilt_from_keys else [])
         if directory is not None:
             directory.on_register(st.announce)
 
@@ -97,6 +94,12 @@ class TieredStore:
             n += self._directory_prefix(hashes[n:], [any(ans[j - at] for at, ans in asked if j >= at)
                                                      for j in range(n, len(hashes))])
         return n
+
+    def holds(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Whether some tier here holds each block, or it is on its way down."""
+        with self._state.meta:
+            moving = [h in self._state.inflight for h in hashes]
+        return [any(col) for col in zip(moving, *(t.contains_many(hashes) for t in self.tiers))]
 
     def _directory_prefix(self, hashes: Sequence[BlockHash], held: list[bool]) -> int:
         """How many of `hashes` (past the first local miss) are held here or,

@@ -45,7 +45,8 @@ _hashes = _mostly(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_
 _data = st.lists(st.one_of(st.binary(max_size=64), st.sampled_from([bytes(P), bytes(2 * P), bytes(P // 2)])),
                  max_size=4)
 _session = st.builds(pb.Session, session_id=st.one_of(st.sampled_from(["s1", "s2"]), _text), tenant=_text,
-                     messages_json=st.one_of(st.just("[]"), _text),
+                     messages_json=st.one_of(st.just("[]"), _text, st.just("[" * 100_000 + "]" * 100_000)),
+                     namespace=st.one_of(st.sampled_from(["", "00", "zz", NS.fingerprint().hex()]), _text),
                      token_ids=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=20))
 
 

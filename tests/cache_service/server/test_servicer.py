@@ -36,12 +36,12 @@ def start(tmp_path):
     daemons = []
 
     def _start(cpu_blocks: int = 64, disk: bool = True, auth: bool = False, shared: bool = False,
-               tokens: dict | None = None, **settings) -> Daemon:
+               tokens: dict | None = None, store_cfg: dict | None = None, **settings) -> Daemon:
         if auth or tokens:
             (tmp_path / "tokens.txt").write_text("".join(f"{t} {n}\n" for n, t in (tokens or TOKENS).items()))
             settings["token_file"] = str(tmp_path / "tokens.txt")
         store = make_store(tmp_path / f"store{len(daemons)}", cpu_blocks=cpu_blocks,
-                           disk_blocks=4096 if disk else None, shared=shared)
+                           disk_blocks=4096 if disk else None, shared=shared, **(store_cfg or {}))
         settings.setdefault("listen", "127.0.0.1:0")
         s = ServerConfig(sessions_dir=str(tmp_path / "sessions"), **settings)
         daemons.append(Daemon(store, s).start())
@@ -164,6 +164,18 @@ def test_delete_and_pins(start):
         assert c.lookup(keep) < 4
         # delete removes what is left
         assert c.delete(hashes(20, start=900)) > 0 and c.lookup(hashes(20, start=900)) == 0
+
+
+def test_one_tenant_cannot_pin_the_whole_tier(start):
+    # acme may pin 4 blocks' worth (tenant_pin_bytes) of a 16-block tier
+    d = start(cpu_blocks=16, disk=False, auth=True, store_cfg={"tenant_pin_bytes": 4 * OBJ})
+    with GrpcClient(url(d), TOKENS["acme"]) as acme, GrpcClient(url(d), TOKENS["globex"]) as globex:
+        put(acme, hashes(16))
+        acme.pin(hashes(16) + hashes(1000, start=5000))  # and 1,000 blocks the store does not hold
+        # its newest 4 stay pinned, none of the absent ones; globex's blocks land in the rest
+        assert d.store.pins.stats()["pinned_blocks"] == 4
+        put(globex, hashes(12, start=500))
+        assert globex.lookup(hashes(12, start=500)) == 12 and acme.lookup(hashes(16)[12:]) == 4
 
 
 def test_session_pins_and_prefetch_through_the_daemon(start):
@@ -362,8 +374,12 @@ def test_metrics_report_tiers_rpcs_and_latency(start):
     assert m[("tierkv_rpc_seconds_count", (("method", "LoadShm"),))] == 1
     assert m[("tierkv_rpc_total", (("code", "OK"), ("method", "StoreShm"), ("tenant", "-")))] == 1
     assert m[("tierkv_shm_attachments", ())] == 1
-    # closing the client detaches its segment
-    assert scrape(d)[("tierkv_shm_attachments", ())] == 0
+    # closing the client detaches its segment; pins are reported (pins_yielded as a counter)
+    with GrpcClient(url(d)) as c:
+        c.pin(hs[:2])
+    m = scrape(d)
+    assert m[("tierkv_shm_attachments", ())] == 0
+    assert m[("tierkv_pinned_blocks", ())] == 2 and m[("tierkv_pins_yielded_total", ())] == 0
 
 
 def test_structured_log_lines():

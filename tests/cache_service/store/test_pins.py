@@ -83,6 +83,38 @@ def test_a_session_repin_replaces_its_pin_and_pins_expire():
     assert book.session_pins("") == {}
 
 
+def test_a_tenants_block_pins_are_capped_and_the_oldest_yield():
+    # block pins count against the tenant's cap as session pins do (4 blocks of 100 bytes here)
+    book = PinBook(cap_bytes=400, typical_bytes=lambda: 100)
+    assert book.pin([h(i) for i in range(3)], tenant="acme") == 0
+    # a call past the cap: the oldest of the tenant's block pins yield, this call's own included
+    assert book.pin([h(i) for i in range(10, 13)], tenant="acme") == 2
+    assert [book.is_pinned(h(i)) for i in (0, 1, 2, 10, 11, 12)] == [False, False, True, True, True, True]
+    # another tenant's pins are counted apart: acme's cap does not touch them
+    assert book.pin([h(20)], tenant="globex") == 0 and book.is_pinned(h(20))
+    # one call of more than the cap keeps its newest blocks only
+    assert book.pin([h(i) for i in range(30, 40)], tenant="acme") == 10
+    assert [x for x in range(30, 40) if book.is_pinned(h(x))] == [36, 37, 38, 39]
+    assert book.stats()["pins_yielded"] == 12
+
+
+def test_a_claimed_small_block_counts_what_the_stores_blocks_take():
+    # a session pin names its namespace; a namespace of tiny blocks cannot fit more real blocks under the cap
+    book = PinBook(cap_bytes=1000, typical_bytes=lambda: 400)
+    book.pin_session("acme", "a", [h(1), h(2)], None, block_bytes=1)
+    assert book.stats()["session_pinned_bytes"] == 800
+    assert book.pin_session("acme", "b", [h(3), h(4)], None, block_bytes=1) == ["a"]
+
+
+def test_expired_block_pins_leave_though_nobody_asks_about_them():
+    # pins on blocks no eviction ever looks at still expire: the book does not grow for good,
+    # and once they are gone evictions need not ask about pins at all
+    book = PinBook(typical_bytes=lambda: 100)
+    book.pin([h(i) for i in range(1000)], ttl_s=0.01, tenant="acme")
+    time.sleep(0.05)
+    assert book.stats()["pinned_blocks"] == 0 and not book.any()
+
+
 def test_eviction_passes_over_session_pinned_blocks_and_prefetch_brings_blocks_up(tmp_path):
     # A CPU tier of 8 blocks over a disk tier.
     store = make_store(tmp_path, cpu_blocks=8)
