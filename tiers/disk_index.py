@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 _META = struct.Struct("<I")
 _META_MAGIC, _DATA_VERSION = 0xBEEFC0DE, 1
 _DAMAGED = "damaged-"
+# what lmdb raises for an index it cannot trust (its other errors in a write are a failed write)
+DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.BadChecksumError,
+          lmdb.VersionMismatchError, lmdb.InvalidError, lmdb.IncompatibleError)
 _LONGEST_RECORD = (1 << 32) + (1 << 20)  # what a damaged 32-bit record length can reach past its page
 
 META_KEY = b"tierkv:meta"  # (records, bytes, then slot marks): not a hash's length, so never a block's key
@@ -267,7 +270,7 @@ class DiskIndex:
         (an access time for a record no one replaced meanwhile); the meta
         record's totals follow, and the slot `marks` (each only raised);
         `dirty` True or False sets or clears the dirty flag (None: as it is).
-        False when the map is full; lmdb.Error on damage."""
+        False when the map or the disk is full; lmdb.Error on damage."""
         try:
             with self._env.begin(write=True) as txn:
                 (blocks, nbytes), held = _parse_meta(txn.get(META_KEY))
@@ -292,8 +295,12 @@ class DiskIndex:
                 if dirty is not None:
                     (txn.put(DIRTY_KEY, b"1") if dirty else txn.delete(DIRTY_KEY))
             return True
-        except lmdb.MapFullError as e:
-            log.warning("disk index %s: full: %s", self.path, e)
+        except lmdb.Error as e:
+            if isinstance(e, DAMAGE):
+                raise
+            # a full map, or the disk full or failing (ENOSPC, or EIO from a commit's sync): a commit
+            # that fails leaves the index as it was, so the write failed and nothing is damaged
+            log.warning("disk index %s: write failed: %s", self.path, e)
             return False
 
     def replace(self, problem: str | None, records: dict[bytes, bytes], marks: dict[int, int]) -> None:

@@ -51,6 +51,7 @@ MAGIC = b"TKVS"
 _EMPTY_HEAD = bytes(HEAD.size)
 SEGMENT_BYTES = 1 << 30  # per segment file (at least one slot)
 GROW_BYTES = 64 << 20  # fallocate step
+INDEX_RESERVE_BYTES = 16 << 20  # slots leave a disk's last bytes (or its last eighth) to the index's writes
 Check = Callable[[BlockHash, memoryview], bool]  # whether a slot's object is a whole object of that block
 
 
@@ -130,13 +131,22 @@ class Segments:
             have = self._ends[key]
             if end <= have:
                 return
-            cap = per_file(key[0]) * key[0]
-            try:
-                os.posix_fallocate(fd, have, min(max(end, have + GROW_BYTES), cap) - have)
-            except OSError as e:
-                if e.errno != errno.ENOSPC:
-                    raise
-                os.posix_fallocate(fd, have, end - have)  # ENOSPC again: the disk is full
+            step = min(max(end, have + GROW_BYTES), per_file(key[0]) * key[0])
+            st = os.fstatvfs(fd)
+            reserve = min(INDEX_RESERVE_BYTES, st.f_blocks * st.f_frsize // 8)  # the index's writes need room too
+            free = st.f_bavail * st.f_frsize - reserve
+            if free < end - have:
+                raise OSError(errno.ENOSPC, "the disk is full (what is left is the index's)")
+            if free < 4 * (step - have):
+                step = end  # a nearly full disk: no step ahead
+            for want in dict.fromkeys((step, end)):
+                try:
+                    os.posix_fallocate(fd, have, want - have)
+                    break
+                except OSError as e:
+                    os.ftruncate(fd, have)  # what a failed allocation took is given back (ext4 keeps it)
+                    if e.errno != errno.ENOSPC or want == end:
+                        raise  # ENOSPC for the slot itself: the disk is full
             self._ends[key] = max(os.fstat(fd).st_size, end)
 
     def write(self, h: BlockHash, data: memoryview, s: int, csum: int) -> tuple[int, int]:

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import lmdb
 import numpy as np
 import pytest
 import torch
@@ -331,6 +332,66 @@ def test_full_filesystem_refuses_puts_without_damage(tmp_path, monkeypatch):
     finally:
         if mounted:  # lazy: a failed assertion may leave the tier's lmdb open on it
             subprocess.run(["umount", "-l", str(root)], check=True)
+
+
+def test_an_index_write_the_disk_refuses_is_a_failed_write_not_damage(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 8 * MB)
+    assert tier.swept.wait(30)
+    kept = [key_for(7, i) for i in range(4)]
+    tier.put_many(kept, [block_for(h) for h in kept])
+    tier.merge()
+    # a full or failing disk makes lmdb's commit fail (ENOSPC, or EIO from its sync): not a damaged index
+    for error in (lmdb.DiskError("mdb_txn_commit: No space left on device"),
+                  lmdb.Error("mdb_txn_commit: Input/output error")):
+        env = tier.index._env
+        monkeypatch.setattr(tier.index, "_env", _RefusingWrites(env, error))
+        tier._dirty = False  # the next put's first step: the dirty flag's commit
+        new = key_for(8, len(str(error)))
+        assert tier.put_many([new], [block_for(new)]) == [False]
+        monkeypatch.setattr(tier.index, "_env", env)
+    # nothing was set aside or rebuilt, the blocks stored before read back, and puts work again
+    assert tier.index.healed == 0 and not list(tmp_path.glob("index.lmdb.damaged-*"))
+    assert all(torch.equal(g, block_for(h)) for g, h in zip(tier.get_many(kept), kept))
+    assert tier.put_many([key_for(9, 0)], [block_for(key_for(9, 0))]) == [True]
+    tier.close()
+
+
+class _RefusingWrites:
+    """An lmdb environment whose write transactions fail with `error`."""
+
+    def __init__(self, env, error: Exception) -> None:
+        self._env, self._error = env, error
+
+    def begin(self, write: bool = False, **kw):
+        if write:
+            raise self._error
+        return self._env.begin(write=write, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+
+def test_slots_leave_a_full_filesystems_last_bytes_to_the_index(tmp_path):
+    root = tmp_path / "small"
+    if not _mount_tmpfs(root, "8m"):
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        # many small blocks fill the filesystem; the index still takes their records at the merge
+        tier = DiskTier(root, 1024 * MB, fsync=False)  # it believes it has far more than the filesystem
+        stored = []
+        for i in range(2000):
+            h = key_for(11, i)
+            if tier.put_many([h], [torch.full((16384,), i % 251, dtype=torch.uint8)]) != [True]:
+                break
+            stored.append(h)
+        assert 100 < len(stored) < 2000, "the filesystem never filled up"
+        tier.close()  # the merge writes every fresh record into lmdb (it used to be "healed" there: SIGBUS)
+        reopened = DiskTier(root, 1024 * MB, fsync=False)
+        assert set(reopened.keys()) == set(stored) and not list(root.glob("index.lmdb.damaged-*"))
+        assert reopened.delete_many(stored[:50]) == 50
+        reopened.close()
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=True)
 
 
 def test_lookups_from_the_presence_table_agree_with_the_index(tmp_path):
