@@ -246,7 +246,9 @@ class DiskRecords:
         slots kept from reuse all the same; how many)."""
         held, firsts = self.records_of([f[0] for f in found]), {}
         for f, e in zip(found, held):
-            if e is None and f[0] not in firsts:
+            if e is None and f[0] in self._deleted_early:  # deleted while the walk was on its way: it stays so
+                self._clear(f[1], f[3])
+            elif e is None and f[0] not in firsts:
                 firsts[f[0]] = f
             elif e is None or (e[0], e[2]) != (f[1], f[3]):  # another copy stands (a record on this slot: this copy)
                 self._clear(f[1], f[3])
@@ -271,6 +273,7 @@ class DiskRecords:
 
     def _recovered(self) -> None:
         if self.recovering:
+            self._deleted_early.clear()
             self.recovering = False
             self.stats.add(recovering=-1)
 

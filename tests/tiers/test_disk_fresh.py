@@ -171,6 +171,21 @@ def same_size_put(tier: DiskTier, like: bytes, seed: int):
     return tier.location_of(h)
 
 
+def test_a_block_deleted_before_the_walk_reaches_it_stays_deleted(tmp_path, monkeypatch):
+    stopped_without_close(tmp_path, 30)
+    # The sweep held back: ten of the blocks from before the stop are deleted before it indexes them again.
+    gate = threading.Event()
+    monkeypatch.setattr(DiskTier, "learn", lambda self, after, _learn=DiskTier.learn: gate.wait(60) and _learn(self, after))
+    tier = DiskTier(tmp_path, 64 * MB)
+    tier.delete_many(keys(10))
+    gate.set()
+    # Once the walk is over they are still gone (no record, no read), and the other twenty read back exact.
+    assert tier.swept.wait(60) and not tier.recovering
+    assert tier.contains_many(keys(10)) == [False] * 10 and tier.get_many(keys(10)) == [None] * 10
+    assert exact(tier, keys(30)[10:]) and tier.stats.blocks == 20
+    tier.close()
+
+
 def test_a_recovered_block_deleted_before_the_walks_end_frees_its_slot(tmp_path, monkeypatch):
     stopped_without_close(tmp_path, 6)
     # The recovery indexes the six; one is deleted before the walk's end frees the slots no one uses.
