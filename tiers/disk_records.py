@@ -241,15 +241,17 @@ class DiskRecords:
 
     def _recover_some(self, found: list[tuple[BlockHash, int, int, int]]) -> tuple[bool, int]:
         """Index those of `found` (whole blocks in their slots) no record
-        names, the first copy of each, and mark their slots in use (caller
+        names, the first copy of each, as many as fit the capacity, and mark their slots in use (caller
         holds the commit lock): (False if the index refused them, their
         slots kept from reuse all the same; how many)."""
         held, firsts = self.records_of([f[0] for f in found]), {}
+        room = self.free_bytes()  # puts since the open count first: what no longer fits is let go
         for f, e in zip(found, held):
             if e is None and f[0] in self._deleted_early:  # deleted while the walk was on its way: it stays so
                 self._clear(f[1], f[3])
-            elif e is None and f[0] not in firsts:
+            elif e is None and f[0] not in firsts and f[1] <= room:
                 firsts[f[0]] = f
+                room -= f[1]
             elif e is None or (e[0], e[2]) != (f[1], f[3]):  # another copy stands (a record on this slot: this copy)
                 self._clear(f[1], f[3])
         recs = {h: RECORD.pack(size, csum, s, t) for (h, size, csum, s), t in

@@ -186,6 +186,23 @@ def test_a_block_deleted_before_the_walk_reaches_it_stays_deleted(tmp_path, monk
     tier.close()
 
 
+def test_the_walk_indexes_no_more_than_the_capacity_leaves(tmp_path, monkeypatch):
+    stopped_without_close(tmp_path, 30)
+    new = keys(10, seed=3)
+    capacity = sum(block_for(h).numel() for h in new + keys(10))
+    # reopened with room for about 20 blocks, the sweep held back while 10 new ones are put
+    gate = threading.Event()
+    monkeypatch.setattr(DiskTier, "learn", lambda self, after, _learn=DiskTier.learn: gate.wait(60) and _learn(self, after))
+    tier = DiskTier(tmp_path, capacity)
+    assert all(tier.put_many(new, [block_for(h) for h in new]))
+    gate.set()
+    # the walk indexes what fits of the 30 from before the stop, not all: the tier stays within its capacity
+    assert tier.swept.wait(60) and not tier.recovering
+    assert tier.stats.used_bytes <= capacity and exact(tier, new)
+    assert 5 <= sum(tier.contains_many(keys(30))) < 20
+    tier.close()
+
+
 def test_a_recovered_block_deleted_before_the_walks_end_frees_its_slot(tmp_path, monkeypatch):
     stopped_without_close(tmp_path, 6)
     # The recovery indexes the six; one is deleted before the walk's end frees the slots no one uses.
