@@ -27,7 +27,8 @@ def _check_layers(layers: list[Tensor], rank: int, what: str) -> Tensor:
     require(len(layers) > 0, "layers must not be empty")
     first = layers[0]
     require(first.dim() == rank, f"each layer must be {what}, got {tuple(first.shape)}")
-    require(first.dtype.is_floating_point, f"layers must be a float dtype, got {first.dtype}")
+    require(first.dtype.is_floating_point or first.dtype == torch.int8,  # int8: a quantized cache's bytes
+            f"layers must be a float or int8 dtype, got {first.dtype}")
     for i, layer in enumerate(layers):
         require(
             layer.shape == first.shape and layer.dtype == first.dtype and layer.device == first.device,

@@ -14,6 +14,7 @@ page in ``BLOCK_SIZE`` chunks. The pure-torch reference lives in
 ``paged_copy_ref.py`` and is the CPU path.
 """
 
+import contextlib
 import os
 
 import torch
@@ -149,7 +150,10 @@ def check_page_ids(page_ids: Tensor, num_pages: int, device: torch.device, uniqu
             require(torch.unique(flat).numel() == flat.numel(), "page_ids must not repeat a page in a scatter")
     else:
         torch._assert_async(((flat >= 0) & (flat < num_pages)).all(), f"page_ids out of [0, {num_pages})")
-    return flat.to(device, non_blocking=True).contiguous()
+    # a pinned host table is read by DMA after the call returns (its owner may refill it at once), and a
+    # device table must land before the host reads it: those copies block; a pageable one is staged at once
+    blocking = flat.device.type != "cpu" or flat.is_pinned()
+    return flat.to(device, non_blocking=not blocking).contiguous()
 
 
 def check_blocks(blocks: Tensor, shape: tuple[int, ...], like: Tensor, name: str) -> None:
@@ -167,7 +171,8 @@ def _check_cache(kv_cache: Tensor) -> None:
         f"got {tuple(kv_cache.shape)}",
     )
     require(kv_cache.is_contiguous(), "kv_cache must be contiguous")
-    require(kv_cache.dtype.is_floating_point, f"kv_cache must be a float dtype, got {kv_cache.dtype}")
+    require(kv_cache.dtype.is_floating_point or kv_cache.dtype == torch.int8,  # int8: a quantized cache's bytes
+            f"kv_cache must be a float or int8 dtype, got {kv_cache.dtype}")
 
 
 def _block_shape(kv_cache: Tensor, n_blocks: int, pages_per_block: int) -> tuple[int, ...]:
@@ -197,12 +202,21 @@ def launch_copy_pages(
     assert block_stride % page_numel == 0, (block_stride, page_numel)
     block_size = min(triton.next_power_of_2(page_numel), _MAX_BLOCK_SIZE)
     grid = (flat_ids.numel(), layer_kv)
+    with torch.cuda.device(cache.device) if cache.is_cuda else contextlib.nullcontext():
+        _launch(cache, blocks, flat_ids, grid, num_pages, block_stride // page_numel, pages_per_block, page_numel,
+                block_size, to_blocks)
+
+
+def _launch(cache: Tensor, blocks: Tensor, flat_ids: Tensor, grid: tuple[int, int], num_pages: int,
+            block_pages: int, pages_per_block: int, page_numel: int, block_size: int, to_blocks: bool) -> None:
+    """The kernel on `cache`'s device, whose stream Triton takes as the current one: a launch from a
+    thread whose current GPU is another (a save thread's is GPU 0) would run there, on its pointers."""
     _kernel_for(cache.device)[grid](
         cache,
         blocks,
         flat_ids,
         num_pages,
-        block_stride // page_numel,
+        block_pages,
         PAGES_PER_BLOCK=pages_per_block,
         PAGE_NUMEL=page_numel,
         BLOCK_SIZE=block_size,

@@ -7,8 +7,11 @@ import torch
 from tiers.cpu import SlotPool
 
 
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def _device(device: str | torch.device | None) -> torch.device:
+    """`device`, or the current GPU (else the CPU), with its index fixed now: a pool allocated
+    later, or a copy made from another thread (whose current GPU is GPU 0), lands on this GPU."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
 
 
 class HbmTier(SlotPool):
@@ -19,4 +22,4 @@ class HbmTier(SlotPool):
 
     def __init__(self, capacity_bytes: int, slot_bytes: int | None = None,
                  device: str | torch.device | None = None) -> None:
-        super().__init__(capacity_bytes, slot_bytes, device=device or _default_device(), pin=False)
+        super().__init__(capacity_bytes, slot_bytes, device=_device(device), pin=False)

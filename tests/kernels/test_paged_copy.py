@@ -97,6 +97,18 @@ def test_scatter_triton_matches_reference_and_spares_other_pages(ppb, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_int8_caches_move_as_bytes(impl):
+    # a quantized cache (the namespace allows kv_dtype int8) gathers and scatters like any other
+    cache = torch.randint(-128, 128, (2, 2, 24, 4, 2, 8), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    ids = scattered_ids(3, 2, 24)
+    out = gather_blocks(cache, ids, impl=impl)
+    assert torch.equal(out, naive_gather(cache, ids))
+    target = torch.zeros_like(cache)
+    scatter_blocks(out, ids, target, impl=impl)
+    assert torch.equal(target[:, :, ids.reshape(-1)], cache[:, :, ids.reshape(-1)])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_partial_batch_into_a_larger_pool(impl):
     # A 6-block table, of which only every other row is moved this step.
     cache = make_cache(torch.bfloat16)
@@ -170,7 +182,7 @@ def _bad_layout_cases(impl="torch"):
         "cache rank": (lambda: g(cache[0], ids), "num_layers, 2, num_pages"),
         "cache kv dim": (lambda: g(cache[:, :1].contiguous(), ids), "num_layers, 2, num_pages"),
         "cache strided": (lambda: g(cache.transpose(4, 5), ids), "kv_cache must be contiguous"),
-        "cache int": (lambda: g(cache.to(torch.int32), ids), "float dtype"),
+        "cache int": (lambda: g(cache.to(torch.int32), ids), "float or int8 dtype"),
         "ids float": (lambda: g(cache, ids.float()), "int32 or int64"),
         "ids rank": (lambda: g(cache, ids.reshape(-1)), "pages_per_block"),
         "ids negative": (lambda: g(cache, ids - 30), r"\[0, 24\)"),

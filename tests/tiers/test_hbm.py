@@ -3,6 +3,8 @@ reuse, stats, threads) is covered for both pools in test_cpu.py; these tests
 are about devices, and run on CUDA too when one is present."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -31,6 +33,18 @@ def block(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_default_device_is_the_gpu_when_present():
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert HbmTier(SIZE, SIZE).device.type == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_gpu_is_fixed_at_construction_whatever_thread_uses_the_tier():
+    # a save thread's current GPU is GPU 0 whatever its process uses: the tier's pool and copies stay on its own
+    tier = HbmTier(4 * SIZE, SIZE)
+    assert tier.device == torch.device("cuda", torch.cuda.current_device())
+    got = []
+    worker = threading.Thread(target=lambda: (tier.put_many([key(0)], [block(0)[1]]), got.extend(tier.get_many([key(0)]))))
+    worker.start()
+    worker.join()
+    assert got[0].device == tier.device
 
 
 @pytest.mark.parametrize("device", DEVICES)
