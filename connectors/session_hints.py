@@ -23,7 +23,6 @@ pin holds. Pins are capped per tenant by the store (pins.py).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
@@ -57,8 +56,9 @@ class SessionHint:
             check_id(self.session)
         except SessionError as e:
             raise HintError(f"kv_transfer_params.tierkv.session: {e}") from None
+        # NaN and infinities fail the range; a huge int compares too (math.isfinite raised OverflowError on it)
         if self.retain_s is not None and (isinstance(self.retain_s, bool) or not isinstance(self.retain_s, (int, float))
-                                          or not math.isfinite(self.retain_s) or not 0 < self.retain_s <= MAX_RETAIN_S):
+                                          or not 0 < self.retain_s <= MAX_RETAIN_S):
             raise HintError(f"kv_transfer_params.tierkv.retain_s must be seconds in (0, {MAX_RETAIN_S:.0f}], "
                             f"got {self.retain_s!r}")
         for name in ("release", "prefetch"):

@@ -241,18 +241,20 @@ class PinReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PinSessionRequest(_message.Message):
-    __slots__ = ("ns", "session_id", "hashes", "ttl_s", "release")
+    __slots__ = ("ns", "session_id", "hashes", "ttl_s", "release", "tenant")
     NS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     ns: Namespace
     session_id: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     ttl_s: float
     release: bool
-    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., release: _Optional[bool] = ...) -> None: ...
+    tenant: str
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., release: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PinSessionReply(_message.Message):
     __slots__ = ("yielded", "released")

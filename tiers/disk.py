@@ -88,7 +88,7 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
         self._lock_fd = lock_root(self.root)
         try:
             set_aside_old_layout(self.root)
-            self.segments = Segments(self.root / "segments", fsync)
+            self.segments = Segments(self.root / "segments", fsync, capacity_bytes // 8)  # per slot size
             if fsync and new:
                 fsync_dir(self.root)
             self.index = DiskIndex(self.root / "index.lmdb", map_size, fsync, HASH_BYTES, RECORD.size)

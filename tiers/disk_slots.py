@@ -102,8 +102,9 @@ class Segments:
     """Segment files under `root` (see the module docstring). Thread-safe:
     distinct slots are written and read concurrently."""
 
-    def __init__(self, root: Path, sync: bool) -> None:
-        self.root, self._sync = root, sync
+    def __init__(self, root: Path, sync: bool, step_bytes: int = GROW_BYTES) -> None:
+        """`step_bytes`: how far past a write a file is allocated ahead (the tier's capacity at most)."""
+        self.root, self._sync, self._step = root, sync, max(1, min(step_bytes, GROW_BYTES))
         self.root.mkdir(parents=True, exist_ok=True)
         self._fds: dict[tuple[int, int], int] = {}  # (slot size, file number) -> fd
         self._ends: dict[tuple[int, int], int] = {}  # bytes allocated in each file
@@ -131,7 +132,7 @@ class Segments:
             have = self._ends[key]
             if end <= have:
                 return
-            step = min(max(end, have + GROW_BYTES), per_file(key[0]) * key[0])
+            step = min(max(end, have + self._step), per_file(key[0]) * key[0])
             st = os.fstatvfs(fd)
             reserve = min(INDEX_RESERVE_BYTES, st.f_blocks * st.f_frsize // 8)  # the index's writes need room too
             free = st.f_bavail * st.f_frsize - reserve

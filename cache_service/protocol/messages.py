@@ -35,6 +35,14 @@ def invalid(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+def parse(request_type, body: bytes, method: str):
+    """A request parsed from its bytes; INVALID_ARGUMENT when they are malformed."""
+    try:
+        return request_type.FromString(body)
+    except Exception:  # protobuf's DecodeError
+        raise invalid(f"{method}: malformed request") from None
+
+
 # ---------------------------------------------------------------- namespace
 _NS_FIELDS = tuple(f.name for f in fields(Namespace))
 

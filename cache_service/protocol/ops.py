@@ -55,6 +55,8 @@ class Op(IntEnum):
     LOOKUP = 8  # the vLLM scheduler asks the worker that owns an embedded store
     HOLD = 9  # pool slots of held blocks, kept from reuse until LET_GO: read in place
     LET_GO = 10
+    PIN_SESSION = 11  # the vLLM scheduler's session hints, acted on by the worker that owns an embedded store
+    PREFETCH = 12
 
 
 class Spec(NamedTuple):
@@ -75,5 +77,7 @@ SPECS: dict[Op, Spec] = {
     Op.LOOKUP: Spec("Lookup", LookupBody, LookupBody),
     Op.HOLD: Spec("Hold", pb.BlocksRequest, pb.HoldReply),
     Op.LET_GO: Spec("LetGo", pb.LetGoRequest, pb.LetGoReply),
+    Op.PIN_SESSION: Spec("PinSession", pb.PinSessionRequest, pb.PinSessionReply),
+    Op.PREFETCH: Spec("Prefetch", pb.PrefetchRequest, pb.PrefetchReply),
 }
 BY_METHOD: dict[str, Op] = {spec.method: op for op, spec in SPECS.items()}

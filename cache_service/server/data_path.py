@@ -35,8 +35,7 @@ from cache_service.blocks.keys import Namespace
 from cache_service.protocol.streaming import object_pieces
 from cache_service.blocks.objects import HEADER_SIZE, checksum, object_size, rehead, require
 from cache_service.protocol.batches import per_bytes, split
-from cache_service.server.rpc import parse
-from cache_service.protocol.messages import RequestError, hashes_from_pb, invalid, ns_from_pb
+from cache_service.protocol.messages import RequestError, hashes_from_pb, invalid, ns_from_pb, parse
 from proto import tierkv_pb2 as pb
 from tiers.host_copy import copy_hashed
 from tiers.types import BlockHash, CorruptBlockError

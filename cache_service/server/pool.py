@@ -48,8 +48,7 @@ import grpc
 from cache_service.protocol.ops import Op
 from cache_service.protocol.socket_server import Connection
 from cache_service.blocks.objects import object_size
-from cache_service.server.rpc import parse
-from cache_service.protocol.messages import RequestError, hashes_from_pb, invalid, ns_from_pb
+from cache_service.protocol.messages import RequestError, hashes_from_pb, invalid, ns_from_pb, parse
 from proto import tierkv_pb2 as pb
 from tiers.types import BlockHash, CapacityError, CorruptBlockError
 

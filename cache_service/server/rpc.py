@@ -17,7 +17,7 @@ import time
 import grpc
 
 from cache_service.sessions.manifests import SessionError
-from cache_service.protocol.messages import RequestError
+from cache_service.protocol.messages import RequestError, parse
 from tiers.types import CapacityError, ConfigError, TierKVError, TierUnavailableError
 
 log = logging.getLogger("tierkv.server")
@@ -97,14 +97,6 @@ def call_as(servicer, method: str, request_type, body: bytes, tenant: str | None
 def run_as(servicer, method: str, tenant: str | None, fn):
     """`call_as` for any callable: (fn(tenant), OK, "") or (None, code, message)."""
     return _guarded(servicer, method, lambda: tenant, fn)
-
-
-def parse(request_type, body: bytes, method: str):
-    """A request parsed from its bytes; INVALID_ARGUMENT when they are malformed."""
-    try:
-        return request_type.FromString(body)
-    except Exception:  # protobuf's DecodeError
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: malformed request") from None
 
 
 def _guarded(servicer, method: str, tenant_of, body):

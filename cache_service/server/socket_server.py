@@ -57,7 +57,7 @@ class DaemonSocketServer(FramedServer):
         try:
             return self.servicer.auth.tenant_of([("authorization", f"Bearer {token}")] if token else [])
         except RequestError as e:
-            self.servicer.metrics.observe("Hello", None, e.code, 0.0)
+            self.servicer.metrics.observe("Hello", None, e.code, None)
             log.info("%s refused a connection", self.name, extra={"fields": {"code": e.code.name, "error": str(e)}})
             raise
 

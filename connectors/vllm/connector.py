@@ -321,9 +321,9 @@ class TierKVConnector(KVConnectorBase_V1):
         tenant = _request_tenant(request, self.cfg.tenant)
         if self.scheduler is None or tenant is None:
             return 0, False
+        if request.kv_transfer_params and not self.scheduler.knows(request.request_id):  # first sight: a
+            self.hints.arrived(request.kv_transfer_params, tenant)  # prefetch starts before the lookup
         n = self.scheduler.matched_tokens(request.request_id, request.all_token_ids, num_computed_tokens, tenant)
-        if num_computed_tokens == 0 and request.kv_transfer_params:  # first sight of the request
-            self.hints.arrived(request.kv_transfer_params, tenant)
         return n, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:

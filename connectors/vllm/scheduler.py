@@ -124,6 +124,10 @@ class SchedulerSide:
         return self.ns if tenant == self.ns.tenant_salt else self.ns.with_tenant(tenant)
 
     # ----------------------------------------------------------- admission
+    def knows(self, req_id: str) -> bool:
+        """Whether the request was looked up before (vLLM asks again while it waits, and after a preemption)."""
+        return req_id in self._reqs
+
     def matched_tokens(self, req_id: str, tokens: Sequence[int], num_computed: int, tenant: str) -> int:
         """Tokens beyond `num_computed` (vLLM's own page-aligned hit) that the
         store can supply. Never the whole prompt (vLLM must compute at least

@@ -15,6 +15,8 @@ from tests.cache_service.store.store_helpers import NS, make_store, payload_for
     ({"tierkv": {"session": "../etc", "retain_s": 5}}, "session"),
     ({"tierkv": {"session": "a", "retain_s": -1}}, "retain_s"),
     ({"tierkv": {"session": "a", "retain_s": float("inf")}}, "retain_s"),
+    ({"tierkv": {"session": "a", "retain_s": float("nan")}}, "retain_s"),
+    ({"tierkv": {"session": "a", "retain_s": 10**400}}, "retain_s"),
     ({"tierkv": {"session": "a", "release": "yes"}}, "release"),
     ({"tierkv": {"session": "a", "release": True, "retain_s": 5}}, "together"),
     ({"tierkv": {"session": "a", "keep": 5}}, "unknown keys"),

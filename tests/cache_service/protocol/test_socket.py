@@ -22,7 +22,8 @@ def test_the_op_codes_are_the_wires():
     # the numbers travel: never renumber; every op has request and reply types
     assert [(op.name, int(op)) for op in Op] == [
         ("HELLO", 0), ("LOAD_SHM", 1), ("STORE_SHM", 2), ("LOAD", 3), ("STORE", 4), ("MAP_POOL", 5),
-        ("RESERVE", 6), ("COMMIT", 7), ("LOOKUP", 8), ("HOLD", 9), ("LET_GO", 10)]
+        ("RESERVE", 6), ("COMMIT", 7), ("LOOKUP", 8), ("HOLD", 9), ("LET_GO", 10), ("PIN_SESSION", 11),
+        ("PREFETCH", 12)]
     assert set(SPECS) == set(Op)
     hashes = [bytes([i]) * 16 for i in range(3)]
     assert LookupBody.hashes(LookupBody.request(hashes)) == hashes and LookupBody.held(LookupBody.reply(7)) == 7

@@ -15,13 +15,16 @@ import torch
 
 from cache_service.blocks.keys import Namespace, prefix_hashes
 from cache_service.protocol.socket_client import SocketClient
+from cache_service.sessions.manifests import SessionStore
 from connectors.client import connect
+from connectors.session_hints import SessionHint, SessionKeeper
 from connectors.vllm import clients
 from connectors.vllm.clients import CacheNotOpen, LateClient
 from connectors.vllm.lookup import LookupServer, RemoteLookup, lookup_address
 from connectors.vllm.scheduler import SchedulerSide, Transfer
 from connectors.vllm.worker import WorkerSide
 from tests.connectors.vllm.oracle import tokens
+from tiers.types import TierUnavailableError
 
 NS = Namespace("unit-model", "bfloat16", num_layers=2, kv_heads=2, head_dim=8, block_tokens=16)
 
@@ -149,3 +152,42 @@ def test_another_users_process_can_neither_serve_nor_ask_the_lookup_socket():
         assert RemoteLookup(own).lookup(prefix_hashes(NS, tokens(64, 1))) == 4  # ours is served
     finally:
         server.close()
+
+
+def test_a_schedulers_session_hints_act_on_its_workers_store(tmp_path):
+    # the worker owns the store; the scheduler, in another process, hints over the lookup socket
+    url = f"local://{tmp_path}/store"
+    store = connect(url)
+    server = LookupServer(store, lookup_address(url, "A"))
+    remote = RemoteLookup(lookup_address(url, "A"))
+    try:
+        x = tokens(160, 5)
+        stored(store, x, 10)
+        keeper = SessionKeeper(remote, NS, SessionStore(tmp_path / "manifests"))
+        # a retain_s hint pins the conversation's ten blocks in the worker's store and records the session
+        assert keeper.finished(SessionHint("agent-7", retain_s=60), x)["pinned_blocks"] == 10
+        assert store.pins.session_pins("") == {"agent-7": 10}
+        # a prefetch of the recorded session reaches the store (its blocks are all in the top tier: none queued)
+        assert keeper.prefetch("agent-7") == 0
+        # a release unpins it; a malformed call is refused, and the socket goes on serving lookups
+        assert keeper.finished(SessionHint("agent-7", release=True), x)["released"]
+        assert store.pins.session_pins("") == {}
+        with pytest.raises(TierUnavailableError, match="INVALID_ARGUMENT"):
+            remote.unpin_session("", "../etc")
+        assert remote.lookup(prefix_hashes(NS, x)) == 10
+    finally:
+        remote.close()
+        server.close()
+        store.close()
+
+
+def test_a_request_is_new_to_the_scheduler_once(tmp_path):
+    # session hints act at a request's first sight: vLLM asks again while it waits and after a preemption
+    client = connect(f"local://{tmp_path}/store")
+    sched = SchedulerSide(client, NS, 128)
+    assert not sched.knows("r")
+    sched.matched_tokens("r", tokens(300, 2), 128, "")  # with vLLM's own hit of a page: still its first sight
+    assert sched.knows("r") and not sched.knows("q")
+    sched.finished("r")
+    assert not sched.knows("r")
+    client.close()
