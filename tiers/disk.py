@@ -103,6 +103,7 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
         self._dirty = False  # whether this tier set the index's dirty flag (cleared at a clean close)
         self.recovering = False  # dirty at open: the sweep reads the slots no record names (tiers/disk_sweep.py)
         self._deleted_early: set[BlockHash] = set()  # deletes while recovering: the sweep does not index those
+        self._refused: list = []  # blocks the recovery found and the index refused, for its next try
         self._seq = count()
         self._arena = Arena()  # read buffers, reused once callers drop what they got
         self._write_errors = WriteErrors(self.root)
@@ -192,9 +193,10 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
     def delete_many(self, hashes: Iterable[BlockHash]) -> int:
         hashes = list(dict.fromkeys(hashes))
         with self.commit_lock:
-            if self.recovering:  # a block written before the unclean stop may have no record yet
-                self._deleted_early.update(hashes)
             gone = [(h, e) for h, e in zip(hashes, self.records_of(hashes)) if e is not None]
+            if self.recovering:  # a block written before the unclean stop may have no record yet
+                known = {h for h, _ in gone}
+                self._deleted_early.update(h for h in hashes if h not in known)
             if not gone:
                 return 0
             # Index first: the slots are free only once no record names them.

@@ -224,15 +224,19 @@ class DiskRecords:
         elsewhere; how many. Their slots are marked in use as they are
         indexed (a delete before the walk's end frees them again)."""
         n, failed = 0, False
-        for c, slots in holes.items():
-            for a in range(0, len(slots), 4096):
-                found = self.segments.found(c, slots[a:a + 4096].tolist(), self._check)
-                with self.commit_lock:
-                    self._check_open()
-                    if not self.recovering:  # a heal meanwhile rebuilt the index from every slot
-                        return n
-                    ok, k = self._recover_some(found)
-                    n, failed = n + k, failed or not ok
+        refused, self._refused = self._refused, []  # what an earlier try found and the index refused
+        batches = [refused[a:a + 4096] for a in range(0, len(refused), 4096)]
+        batches += [(c, slots[a:a + 4096]) for c, slots in holes.items() for a in range(0, len(slots), 4096)]
+        for batch in batches:
+            found = batch if isinstance(batch, list) else self.segments.found(batch[0], batch[1].tolist(), self._check)
+            with self.commit_lock:
+                self._check_open()
+                if not self.recovering:  # a heal meanwhile rebuilt the index from every slot
+                    return n
+                ok, k = self._recover_some(found)
+                n, failed = n + k, failed or not ok
+                if not ok:
+                    self._refused += found  # their slots are kept from reuse: the next try indexes them
         log.info("disk tier %s: %d blocks written before an unclean stop indexed again", self.root, n)
         if not failed:  # else the flag stays: the next open looks again
             self._dirty = True  # a clean close clears the flag
@@ -245,7 +249,8 @@ class DiskRecords:
         holds the commit lock): (False if the index refused them, their
         slots kept from reuse all the same; how many)."""
         held, firsts = self.records_of([f[0] for f in found]), {}
-        room = self.free_bytes()  # puts since the open count first: what no longer fits is let go
+        with self._lock:  # puts since the open count first: what no longer fits is let go (puts still
+            room = self.capacity_bytes - self._used  # under way are not counted: one that fails frees nothing)
         for f, e in zip(found, held):
             if e is None and f[0] in self._deleted_early:  # deleted while the walk was on its way: it stays so
                 self._clear(f[1], f[3])

@@ -45,8 +45,12 @@ class Swept(Protocol):
 _YIELD_S = 0.001  # between batches: a background pass lets requests have the interpreter
 
 
+RECOVER_RETRY_S = 30.0  # a recovery whose index writes were refused (a full disk) is tried again this often
+
+
 def sweep(tier: Swept) -> None:
-    """The sweep's thread body; sets `tier.swept` when done (or stopped by close)."""
+    """The sweep's thread body; sets `tier.swept` when done (or stopped by close),
+    then, while a recovery the index refused stays to do, tries it again."""
     try:
         for chunk in walk(tier.learn):  # stops (raises) once the tier closes
             _records(tier, chunk)
@@ -61,6 +65,20 @@ def sweep(tier: Swept) -> None:
             log.warning("disk tier %s: sweep failed: %s", tier.root, e)
     finally:
         tier.swept.set()
+    _recover_later(tier)
+
+
+def _recover_later(tier: Swept) -> None:
+    next_try = time.monotonic() + RECOVER_RETRY_S
+    while tier.recovering and not tier.closed:
+        time.sleep(0.1)  # close() joins this thread: it notices within a tenth of a second
+        if time.monotonic() >= next_try:
+            next_try = time.monotonic() + RECOVER_RETRY_S
+            try:
+                tier.recover(tier.space.holes())
+            except Exception as e:  # a background worker: the next try may succeed
+                if not tier.closed:
+                    log.warning("disk tier %s: recovery failed: %s", tier.root, e)
 
 
 def _records(tier: Swept, chunk: list[tuple[bytes, bytes]]) -> None:

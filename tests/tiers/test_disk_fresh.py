@@ -8,13 +8,14 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.tiers.disk_writer_child import block_for, key_for
-from tiers import disk_fresh, disk_slots
+from tiers import disk_fresh, disk_slots, disk_sweep
 from tiers.disk import DiskTier
 from tiers.types import TierKVError
 
@@ -200,6 +201,34 @@ def test_the_walk_indexes_no_more_than_the_capacity_leaves(tmp_path, monkeypatch
     assert tier.swept.wait(60) and not tier.recovering
     assert tier.stats.used_bytes <= capacity and exact(tier, new)
     assert 5 <= sum(tier.contains_many(keys(30))) < 20
+    tier.close()
+
+
+def test_a_recovery_the_index_refused_is_tried_again(tmp_path, monkeypatch):
+    stopped_without_close(tmp_path, 30)
+    # the disk refuses the walk's index write once (a full disk: a failed write, not damage)
+    monkeypatch.setattr(disk_sweep, "RECOVER_RETRY_S", 0.2)
+    refused, write = [], DiskTier._write_index
+
+    def refuse_once(self, puts, dels, *args, **kw):
+        if puts and self.recovering and not refused:
+            refused.append(len(puts))
+            return False
+        return write(self, puts, dels, *args, **kw)
+
+    monkeypatch.setattr(DiskTier, "_write_index", refuse_once)
+    tier = DiskTier(tmp_path, 64 * MB)
+    assert tier.swept.wait(60) and refused
+    # deletes of blocks that have records are not remembered as early ones meanwhile
+    tier.put_many(keys(5, seed=6), [block_for(h) for h in keys(5, seed=6)])
+    tier.delete_many(keys(5, seed=6))
+    assert not tier._deleted_early
+    # the sweep's thread tries again: the thirty from before the stop are indexed, the recovery ends
+    for _ in range(100):
+        if not tier.recovering:
+            break
+        time.sleep(0.1)
+    assert not tier.recovering and tier.stats.recovering == 0 and exact(tier, keys(30))
     tier.close()
 
 
