@@ -18,6 +18,7 @@ block pins are swept as session pins are, asked about or not.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import threading
@@ -29,7 +30,7 @@ from typing import Callable, Sequence
 from tiers.types import BlockHash
 
 log = logging.getLogger("tierkv.pins")
-EXPIRY_CHECK_S = 1.0  # expired pins are swept at most this often (and before every new pin)
+EXPIRY_CHECK_S = 1.0  # expired session pins are swept at most this often (block pins: as they expire)
 
 
 @dataclass(slots=True)
@@ -48,6 +49,7 @@ class PinBook:
         self.cap_bytes, self.typical_bytes = cap_bytes, typical_bytes
         self._lock = threading.Lock()
         self._blocks: dict[BlockHash, float] = {}  # block pins: hash -> monotonic deadline
+        self._deadlines: list[tuple[float, BlockHash]] = []  # a heap of the finite ones (some stale)
         self._block_owner: dict[BlockHash, str] = {}  # the tenant whose count a block pin is in
         self._tenant_blocks: dict[str, OrderedDict[BlockHash, int]] = {}  # oldest first, with their bytes
         self._block_bytes: Counter[str] = Counter()
@@ -57,6 +59,7 @@ class PinBook:
         self._tenant_sizes: dict[str, dict[BlockHash, int]] = {}  # the bytes each block counts for its tenant
         self._tenant_bytes: Counter[str] = Counter()
         self._next_expiry_check = 0.0
+        self._warned: dict[str, float] = {}
         self.yielded = 0
 
     # ------------------------------------------------------------- block pins
@@ -70,7 +73,10 @@ class PinBook:
             self._expire(now)
             mine = self._tenant_blocks.setdefault(tenant, OrderedDict())
             for h in hashes:
-                self._blocks[h] = max(until, self._blocks.get(h, 0.0))
+                if until > self._blocks.get(h, 0.0):
+                    self._blocks[h] = until
+                    if until != math.inf:
+                        heapq.heappush(self._deadlines, (until, h))
                 if self._block_owner.get(h, tenant) != tenant:
                     self._uncount(h)
                 if h not in mine:
@@ -79,15 +85,15 @@ class PinBook:
                     self._block_owner[h] = tenant
                 mine.move_to_end(h)
             yielded = 0
-            if self.cap_bytes and self._block_bytes[tenant] > self.cap_bytes:
-                self._expire(now, force=True)  # expired pins leave before a live one yields
             while self.cap_bytes and self._block_bytes[tenant] > self.cap_bytes:
                 self._unpin_block(next(iter(mine)))
                 yielded += 1
             if yielded:
                 self.yielded += yielded
-                log.warning("tenant %r over its pin cap of %d bytes: %d block pins yielded", tenant,
-                            self.cap_bytes, yielded)
+                if now >= self._warned.get(tenant, 0.0):  # a tenant pinning at its cap: a line a minute
+                    self._warned[tenant] = now + 60.0
+                    log.warning("tenant %r over its pin cap of %d bytes: its oldest block pins yield (counted "
+                                "in pins_yielded)", tenant, self.cap_bytes)
             return yielded
 
     def unpin(self, hashes: Sequence[BlockHash]) -> None:
@@ -155,7 +161,8 @@ class PinBook:
     def stats(self) -> dict[str, int]:
         with self._lock:
             self._expire(time.monotonic(), force=True)
-            return {"pinned_blocks": len(self._blocks.keys() | self._refs.keys()), "session_pins": len(self._sessions),
+            both = sum(h in self._blocks for h in self._refs)  # session refs are few beside block pins
+            return {"pinned_blocks": len(self._blocks) + len(self._refs) - both, "session_pins": len(self._sessions),
                     "session_pinned_bytes": sum(self._tenant_bytes.values()), "pins_yielded": self.yielded}
 
     # --------------------------------------------------------------- internal
@@ -199,10 +206,12 @@ class PinBook:
         return yielded
 
     def _expire(self, now: float, force: bool = False) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:  # block pins nobody asks about leave too,
+            until, h = heapq.heappop(self._deadlines)  # in deadline order: no walk over every pin
+            if self._blocks.get(h) == until:  # (not extended by a later pin, nor gone already)
+                self._unpin_block(h)
         if not force and now < self._next_expiry_check:
             return
         self._next_expiry_check = now + EXPIRY_CHECK_S
         for key in [k for k, p in self._sessions.items() if p.until <= now]:
             self._drop(key)
-        for h in [h for h, until in self._blocks.items() if until <= now]:  # pins nobody asks about leave too
-            self._unpin_block(h)

@@ -91,22 +91,23 @@ class TieredStore:
             asked = [(0, list(map(inflight.__contains__, hashes)))] if inflight else []
         n = held_prefix(hashes, self.tiers, asked)
         if n < len(hashes) and self._reads_s3:
-            n += self._directory_prefix(hashes[n:], [any(ans[j - at] for at, ans in asked if j >= at)
-                                                     for j in range(n, len(hashes))])
+            past = self._or_in_s3(hashes[n:], [any(ans[j - at] for at, ans in asked if j >= at)
+                                               for j in range(n, len(hashes))])
+            n += next((k for k, ok in enumerate(past) if not ok), len(past))
         return n
 
     def holds(self, hashes: Sequence[BlockHash]) -> list[bool]:
-        """Whether some tier here holds each block, or it is on its way down."""
+        """Whether some tier here holds each block, or it is on its way down, or (the directory says) in S3."""
         with self._state.meta:
             moving = [h in self._state.inflight for h in hashes]
-        return [any(col) for col in zip(moving, *(t.contains_many(hashes) for t in self.tiers))]
+        held = [any(col) for col in zip(moving, *(t.contains_many(hashes) for t in self.tiers))]
+        return self._or_in_s3(hashes, held) if self._reads_s3 else held
 
-    def _directory_prefix(self, hashes: Sequence[BlockHash], held: list[bool]) -> int:
-        """How many of `hashes` (past the first local miss) are held here or,
-        says the directory, in S3: one batched request for the misses."""
+    def _or_in_s3(self, hashes: Sequence[BlockHash], held: list[bool]) -> list[bool]:
+        """`held`, or in S3 as the directory says: one batched request for the misses."""
         ask = [h for h, ok in zip(hashes, held) if not ok]
-        in_s3 = dict(zip(ask, self.directory.in_s3(ask)))
-        return next((k for k, (h, ok) in enumerate(zip(hashes, held)) if not ok and not in_s3[h]), len(hashes))
+        in_s3 = dict(zip(ask, self.directory.in_s3(ask))) if ask else {}
+        return [ok or in_s3[h] for h, ok in zip(hashes, held)]
 
     def load(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Verified payloads ([layers, 2, block_tokens, kv_heads, head_dim]) per
@@ -363,9 +364,8 @@ class TieredStore:
         return self._placement.prefetch(ns, hashes)
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per tier: store counters (hits, misses, evictions, corrupt, ...)
-        merged with the tier's own (bytes, blocks, capacity), queue depth and
-        upload journal. Hits and misses are the store's (the tier also serves eviction reads)."""
+        """Per tier: the store's counters (hits, misses: the store's, not the tier's eviction reads;
+        evictions, corrupt, ...) with the tier's own (bytes, blocks, capacity), queue depth, journal."""
         return self._state.stats()
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -24,11 +24,12 @@ class CacheNotOpen(TierUnavailableError):
 
 class LateClient:
     """A client for a cache that could not be opened at startup (a daemon not
-    up yet, a directory another process holds): each use tries to open it
-    again, at most every RETRY_S, and until it opens raises
-    TierUnavailableError. The connector's dispatch boundaries make that a
-    miss, a failed load (vLLM recomputes) or a dropped save: a worker side
-    is never switched off while its scheduler side plans loads for it."""
+    up yet, a directory another process holds): it is opened again in the
+    background, at most every RETRY_S, and until it opens each use raises
+    CacheNotOpen at once (never waiting on the attempt: the engine's step
+    and its save threads call here). The connector's dispatch boundaries
+    make that a miss, a failed load (vLLM recomputes) or a dropped save: a
+    worker side is never switched off while its scheduler side plans loads for it."""
 
     RETRY_S = 10.0
 
@@ -37,25 +38,35 @@ class LateClient:
         self._lock = threading.Lock()
         self._client: CacheClient | None = None
         self._retry_at = time.monotonic() + self.RETRY_S
-        self._closed = False
+        self._opening = self._closed = False
 
     def _real(self) -> CacheClient:
         with self._lock:
-            if self._client is None:
-                now = time.monotonic()
-                if self._closed or now < self._retry_at:
-                    raise CacheNotOpen(self._why)
-                self._retry_at = now + self.RETRY_S
-                try:
-                    client = connect(self._url)
-                except TierUnavailableError as e:
-                    self._why = str(e)
-                    log.warning("tierkv: %s; tried again in %.0f s", e, self.RETRY_S)
-                    raise CacheNotOpen(self._why) from None
-                log.info("tierkv: %s opened", self._url)
-                self._opened(client)
+            if self._client is not None:
+                return self._client
+            if not (self._closed or self._opening) and time.monotonic() >= self._retry_at:
+                self._opening = True
+                threading.Thread(target=self._open, name="tierkv-reopen", daemon=True).start()
+            raise CacheNotOpen(self._why)
+
+    def _open(self) -> None:
+        try:
+            client = connect(self._url)
+        except Exception as e:  # a background worker: the next use tries again after RETRY_S
+            log.warning("tierkv: %s; tried again in %.0f s", e, self.RETRY_S)
+            with self._lock:
+                self._why, self._opening, self._retry_at = str(e), False, time.monotonic() + self.RETRY_S
+            return
+        if not self._closed:
+            self._opened(client)  # (the lookup server: outside this lock, which callers take)
+        with self._lock:
+            self._opening, keep = False, not self._closed
+            if keep:
                 self._client = client
-            return self._client
+        if keep:
+            log.info("tierkv: %s opened", self._url)
+        else:
+            client.close()
 
     def __getattr__(self, name: str) -> Any:  # every method of the client, once it opens
         if name.startswith("_"):

@@ -73,7 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from connectors.vllm.clients import acquire, close_all, release
+from connectors.vllm.clients import LateClient, acquire, close_all, release
 from connectors.vllm.hints import VllmSessionHints, hint_manifests
 from connectors.vllm.lookup import is_local
 from connectors.vllm.namespace import build_namespace
@@ -241,7 +241,9 @@ class TierKVConnector(KVConnectorBase_V1):
             # vLLM reads the policy after building the scheduler's connector
             self._kv_transfer_config.kv_load_failure_policy = self.cfg.load_failure
             self.scheduler = SchedulerSide(self.client, self.ns, self.page_tokens)
-            manifests = hint_manifests(self.cfg.url, self.cfg.config, self.client)
+            # a cache not open yet cannot lend its directory: the manifests open one of their own
+            manifests = hint_manifests(self.cfg.url, self.cfg.config,
+                                       None if isinstance(self.client, LateClient) else self.client)
             self.hints = VllmSessionHints(self.client, self.scheduler.namespace, manifests, self.cfg.tenant)
         log.info("tierkv: %s connector on %s, namespace %s (%s)", role.name.lower(), self.cfg.url,
                  self.ns.fingerprint().hex(), self.ns.model_id)

@@ -212,7 +212,9 @@ def test_sessions_saved_through_one_daemon_resume_through_another(node_config):
         clients[0].store(NS, hashes, [payload_for(h) for h in hashes])
         clients[0].sessions.put(Session("trip", model_id=NS.model_id, namespace=NS.fingerprint().hex(),
                                         token_ids=ids, block_tokens=NS.block_tokens))
-        # daemon B lists it, and resumes it with every block loadable (from S3, through B)
+        # daemon B holds none of the blocks itself, but knows them in S3 (what its Pin call pins)
+        assert daemons[1].store.tiers[0].contains_many(hashes) == [False] * 4 and all(daemons[1].store.holds(hashes))
+        # daemon B lists the session, and resumes it with every block loadable (from S3, through B)
         assert clients[1].sessions.list() == ["trip"]
         s, held = clients[1].sessions.resume("trip", ns=NS)
         assert s is not None and s.token_ids == ids and held == len(hashes)

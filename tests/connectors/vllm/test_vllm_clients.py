@@ -6,6 +6,7 @@ a scheduler asks its own instance's worker only.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -64,23 +65,52 @@ def test_a_second_instance_on_the_same_directory_never_loads_the_first_ones_bloc
                                                                       dtype=torch.bfloat16) for i in range(2)})
     worker.load([Transfer("r", x[:64], 0, 64, [0, 1, 2, 3])])
     assert worker.take_invalid_pages() == {0, 1, 2, 3} and worker.take_failed() == {"r": 0}
-    # once A lets the directory go, B's worker opens it on its next try and serves B's scheduler
+    # once A lets the directory go, B's worker opens it in the background and serves B's scheduler
     clients._close(a)
-    time.sleep(0.3)
-    assert b[0].lookup(prefix_hashes(NS, x)) == 20
+    assert until_open(b[0]).lookup(prefix_hashes(NS, x)) == 20
     assert RemoteLookup(lookup_address(url, "B")).lookup(prefix_hashes(NS, x)) == 20
     clients._close(b)
 
 
-def test_a_daemon_down_at_startup_is_picked_up_once_it_answers(monkeypatch):
+def until_open(late: LateClient, timeout_s: float = 10.0) -> LateClient:
+    """`late` once its background attempt opened it (each call until then raises CacheNotOpen at once)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            late.lookup
+            return late
+        except CacheNotOpen:
+            time.sleep(0.05)
+    raise AssertionError("the cache never opened")
+
+
+def test_a_daemon_that_does_not_answer_never_holds_up_a_call(monkeypatch):
+    # a daemon that accepts connections but never answers Hello: the reopen waits for it in the background
+    monkeypatch.setattr(LateClient, "RETRY_S", 0.05)
+    hung = socket.create_server(("127.0.0.1", 0))
+    late = LateClient(f"grpc://127.0.0.1:{hung.getsockname()[1]}", "down", lambda c: None)
+    time.sleep(0.1)
+    for _ in range(5):  # each call (a load in vLLM's step, a save) fails at once
+        t0 = time.monotonic()
+        with pytest.raises(CacheNotOpen):
+            late.load(NS, [])
+        assert time.monotonic() - t0 < 0.05
+    late.close()
+    hung.close()
+
+
+def test_a_daemon_down_at_startup_gets_a_new_reason_at_each_try(monkeypatch):
     # grpc:// with nothing listening: the worker's client fails (a miss / failed load) instead of being off
-    monkeypatch.setattr(LateClient, "RETRY_S", 0.1)
+    monkeypatch.setattr(LateClient, "RETRY_S", 0.05)
     seen = []
     late = LateClient("grpc://127.0.0.1:1", "down", seen.append)
-    with pytest.raises(CacheNotOpen):
+    with pytest.raises(CacheNotOpen, match="down"):
         late.load(NS, [])
-    time.sleep(0.15)
-    with pytest.raises(CacheNotOpen, match="127.0.0.1:1"):  # tried again: the reason is the new attempt's
+    time.sleep(0.1)
+    with pytest.raises(CacheNotOpen):
+        late.store(NS, [], [])  # starts the background try
+    time.sleep(0.5)
+    with pytest.raises(CacheNotOpen, match="127.0.0.1:1"):  # its reason, once it failed
         late.store(NS, [], [])
     assert seen == []
     late.close()
