@@ -48,6 +48,23 @@ def wait_idle(pid: int, timeout: float = 120.0) -> None:
     raise RuntimeError(f"process {pid} still busy after {timeout:.0f}s")
 
 
+def drop_page_cache(*roots: str | os.PathLike) -> None:
+    """fsync and posix_fadvise(DONTNEED) every file under `roots` (files or folders),
+    so the next reads come from the device, not from memory."""
+    files = [Path(r) for r in roots if Path(r).is_file()]
+    files += [Path(d) / f for r in roots if Path(r).is_dir() for d, _, names in os.walk(r) for f in names]
+    for path in files:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def cpu_line() -> str:
     """The CPU model, core count and the ISA flags that change vLLM's CPU kernels, for a bench's header."""
     with open("/proc/cpuinfo") as f:

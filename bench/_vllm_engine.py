@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench._procs import drop_page_cache
+
 SAVE_MODES = {"auto": "auto", "async": True, "sync": False}  # --save -> our connector's async_save
 
 def _engine_config(kind: str, arg: str, save: str = "auto"):
@@ -60,7 +62,7 @@ def run_engine(model: str, case: dict, max_model_len: int) -> list[dict]:
             _finish_our_saves(llm)  # the previous phase's saves are in the store before this one asks for them
         if phase.get("before"):
             _flush_our_stores()
-            _drop_page_cache(phase["before"])
+            drop_page_cache(phase["before"])
         if phase.get("reset"):
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         loaded = _our_load_stats() if ours_here else None
@@ -140,21 +142,6 @@ def child_main(spec_path: str, out_path: str) -> None:
             case = {**case, "warmup": case["warmup"] * (len(case["prompts"]["warm"][0]) // len(case["warmup"]))}
         results += run_engine(spec["model"], case, spec["max_model_len"])
         Path(out_path).write_text(json.dumps(results))
-
-
-def _drop_page_cache(root: str) -> None:
-    """posix_fadvise(DONTNEED) every file under root, so the next reads come from the device."""
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            try:
-                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 if __name__ == "__main__":

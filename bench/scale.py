@@ -171,7 +171,7 @@ def store_rate(store, n: int, scratch: Path, count: int = 2 * MERGE_RECORDS, rou
     return statistics.median(ours), statistics.median(raw)
 
 
-def segment_rate(scratch: Path, count: int, objs: list[bytes], batch: int = 64) -> float:
+def segment_rate(scratch: Path, count: int, objs: list[bytes], batch: int = WRITE_BATCH) -> float:
     """Blocks/s of the segment layout (the disk tier's, item 3 of #19): the
     objects written into slots of one preallocated segment file, one
     fdatasync per `batch`."""
@@ -230,7 +230,7 @@ def layouts(scratch: Path, quick: bool) -> list[dict]:
         count = max(64, min(4000, (64 if quick else 256) * 2**20 // size))
         obj = os.urandom(size)
         files = files_rate(scratch, count, [obj])
-        seg = segment_rate(scratch, count, [obj])
+        seg = segment_rate(scratch, count, [obj], WRITE_BATCH)  # the sync batch of the files side and the probe
         rows.append({"object": label, "bytes": size, "blocks": count, "files_blocks_s": files,
                      "segment_blocks_s": seg, "segment_vs_files": seg / files})
         print(f"layout {label:>40}: files {files:9.0f} blocks/s ({files * size / 2**20:6.1f} MiB/s)  segment "

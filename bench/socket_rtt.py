@@ -9,7 +9,9 @@ a child process (no shared GIL), one connection, one call at a time.
   zmq's own message), answered with a small reply; GB/s.
 - download: 32 MiB from server to client, likewise read into a preallocated buffer.
 
-pyzmq is optional (`pip install pyzmq`); without it only ours is measured.
+pyzmq is optional (`pip install pyzmq`); without it only ours is measured and
+the ratios (`small_rtt_vs_zmq`: ours / theirs, lower is better; `upload_vs_zmq`,
+`download_vs_zmq`: ours / theirs, higher is better) are null: no claim.
 Usage: python bench/socket_rtt.py [--quick]. Last line: one JSON object.
 """
 from __future__ import annotations
@@ -177,6 +179,11 @@ def main() -> None:
             print("pyzmq REQ/REP ipc://:", out["pyzmq_ipc"], flush=True)
         except ImportError:
             out["pyzmq_ipc"] = None
+    peer = out["pyzmq_ipc"]  # the peer: without it this run makes no claim (no ratio)
+    ours = out["framed_unix"]
+    out["small_rtt_vs_zmq"] = round(ours["small_rtt_us_median"] / peer["small_rtt_us_median"], 3) if peer else None
+    for way in ("upload", "download"):
+        out[f"{way}_vs_zmq"] = round(ours[f"{way}_gbps"] / peer[f"{way}_gbps"], 3) if peer else None
     print(json.dumps(out))
 
 

@@ -37,6 +37,7 @@ from cache_service.blocks.keys import chain_hashes  # noqa: E402
 from tiers.cpu import CpuTier  # noqa: E402
 from tiers.disk import DiskTier  # noqa: E402
 from tiers.disk_io import READ_THREADS  # noqa: E402
+from bench._procs import drop_page_cache  # noqa: E402
 
 # bytes per 16-token block: SmolLM2-135M bf16 (30 layers, 3 KV heads, dim 64), Llama-3-8B bf16
 SIZES = {"smollm2-135m": 30 * 2 * 16 * 3 * 64 * 2, "llama3-8b": 32 * 2 * 16 * 8 * 128 * 2}
@@ -85,13 +86,6 @@ def bench_cpu(n: int, size: int, reps: int) -> dict[str, float]:
             "store_vs_memcpy": med(r[0] / r[1] for r in rows), "load_vs_memcpy": med(r[0] / r[2] for r in rows)}
 
 
-def _drop_cache(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-
-
 def _raw_write(path, objs) -> None:
     """The objects written into consecutive slots of a preallocated segment
     file, then one fdatasync: the tier's layout (tiers/disk_slots.py) at
@@ -108,42 +102,58 @@ def _raw_write(path, objs) -> None:
         os.close(fd)
 
 
-def _raw_read(path, n, size) -> None:
-    """The slots read back by as many threads as the tier reads with
-    (tiers/disk_io.py): the device's limit at that concurrency, not one
-    read at a time."""
-    fd = os.open(path, os.O_RDONLY)
+class RawReader:
+    """The tier's own slots (the same bytes at the same offsets of the same
+    files) read back by as many threads as the tier reads with
+    (tiers/disk_io.py), into buffers faulted in once and reused, as the
+    tier's arena rows are: the device's limit at that concurrency, with none
+    of the tier's work (index, headers, checksums)."""
 
-    def one(i) -> None:
-        buf = torch.empty(size, dtype=torch.uint8)
-        os.preadv(fd, [memoryview(buf.numpy())], i * size)
+    def __init__(self, n: int, size: int) -> None:
+        self.bufs = [torch.zeros(size, dtype=torch.uint8) for _ in range(n)]
+        self.pool = ThreadPoolExecutor(READ_THREADS)
 
-    try:
-        with ThreadPoolExecutor(READ_THREADS) as pool:
-            list(pool.map(one, range(n)))
-    finally:
-        os.close(fd)
+    def read(self, places: list[tuple[Path, int]]) -> None:
+        fds = {path: os.open(path, os.O_RDONLY) for path in {p for p, _ in places}}
+        try:
+            list(self.pool.map(lambda i: os.preadv(fds[places[i][0]], [memoryview(self.bufs[i].numpy())],
+                                                   places[i][1]), range(len(places))))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def close(self) -> None:
+        self.pool.shutdown()
 
 
 def bench_disk(n: int, size: int, reps: int, root: Path) -> dict[str, float]:
     hashes, objs = objects(n, size)
     raw_path = root / "raw-segment"
     tier = DiskTier(root / "tier", capacity_bytes=n * size * 2, fsync=True)
+    raw = RawReader(n, size)
 
     def store() -> float:  # raw overwrites in place; the tier gets an empty slot, untimed
         tier.delete_many(hashes)
         return _time(lambda: tier.put_many(hashes, objs))
 
+    def read_both(first_raw: bool) -> tuple[float, float]:
+        places = [tier.location_of(h)[:2] for h in hashes]
+        timed = {}
+        for side in (["raw", "tier"] if first_raw else ["tier", "raw"]):  # either may go first
+            drop_page_cache(raw_path, *tier.files())  # (the raw file too: the next writes start alike, uncached)
+            timed[side] = _time(lambda: raw.read(places) if side == "raw" else tier.get_many(hashes))
+        return timed["raw"], timed["tier"]
+
     w_raw, w_tier, r_raw, r_tier = [], [], [], []
-    for _ in range(reps):  # interleave so noise hits both sides alike
+    for rep in range(reps):  # interleave so noise hits both sides alike
         w_raw.append(_time(lambda: _raw_write(raw_path, objs)))
         w_tier.append(store())
-        _drop_cache([raw_path])
-        r_raw.append(_time(lambda: _raw_read(raw_path, n, size)))
-        _drop_cache(tier.files())
-        r_tier.append(_time(lambda: tier.get_many(hashes)))
+        a, b = read_both(first_raw=rep % 2 == 0)
+        r_raw.append(a)
+        r_tier.append(b)
     got = tier.get_many(hashes)
     assert all(torch.equal(g, o) for g, o in zip(got, objs))
+    raw.close()
     tier.close()
     med = statistics.median
     return {"raw_write_gbs": n * size / med(w_raw) / 1e9, "store_gbs": n * size / med(w_tier) / 1e9,
