@@ -51,12 +51,15 @@ class EngineConnector:
 
     def num_cached_tokens(self, token_ids: list[int]) -> int:
         self.stats.lookups += 1
+        hashes = full_blocks(self.ns, token_ids)
         try:
-            return self.client.lookup(full_blocks(self.ns, token_ids)) * self.block_tokens
+            held = self.client.lookup(hashes)
         except Exception:  # dispatch boundary: an unusable cache is a miss
             log.exception("lookup failed; treating as a miss")
             self.stats.errors += 1
             return 0
+        self._known.forget(hashes[held:])  # evicted or lost since they were stored: saved again once computed
+        return held * self.block_tokens
 
     def load(self, token_ids: list[int], start: int, end: int, page_ids: list[int], kv_cache: torch.Tensor) -> int:
         bt = self.block_tokens
@@ -71,6 +74,7 @@ class EngineConnector:
             return start
         n = loaded_prefix(payloads)
         self.stats.blocks_failed += len(payloads) - n
+        self._known.forget(hashes[n:])  # missing or corrupt: the recomputed copies are stored again
         if n:
             table = self._table(page_ids[: n * self._pages_per_block], kv_cache.device)
             blocks = torch.stack(payloads[:n]).to(device=kv_cache.device, dtype=kv_cache.dtype)

@@ -44,6 +44,11 @@ class StoredBlocks:
         """Indices of `hashes` not seen recently."""
         return [i for i, h in enumerate(hashes) if h not in self._seen]
 
+    def forget(self, hashes: Iterable[BlockHash]) -> None:
+        """Blocks the store no longer holds (evicted, quarantined, lost): the next save stores them again."""
+        for h in hashes:
+            self._seen.pop(h, None)
+
     def add(self, hashes: Iterable[BlockHash]) -> None:
         for h in hashes:
             self._seen[h] = None

@@ -131,6 +131,7 @@ class SessionKeeper:
         the manifest. `token_ids`: the tokens whose KV the engine computed
         (prompt + output but the last token). Returns what was done."""
         done: dict[str, Any] = {"session": hint.session}
+        self._same_model(hint.session)
         if hint.release:
             done["released"] = self.pins.unpin_session(self.tenant, hint.session)
         elif hint.retain_s is not None:
@@ -143,6 +144,12 @@ class SessionKeeper:
             self._record(hint, token_ids, messages)
         return done
 
+    def _same_model(self, session_id: str) -> None:
+        """HintError for a session another model recorded (its conversation is not this one's to take over)."""
+        s = self.manifests.get(session_id, self.tenant) if self.manifests is not None else None
+        if s is not None and s.model_id and self.model_id and s.model_id != self.model_id:
+            raise HintError(f"session {session_id!r} belongs to model {s.model_id}, not {self.model_id}")
+
     def _unpinned(self, session_id: str) -> None:
         """A released session's manifest no longer asks a resume to pin it."""
         s = self.manifests.get(session_id, self.tenant)
@@ -154,7 +161,8 @@ class SessionKeeper:
         """Promote the blocks of a recorded session into the top tier; how many
         were queued (0 for an unknown session or a cache that cannot)."""
         s = self.manifests.get(session_id, self.tenant) if self.manifests is not None else None
-        if s is None or not hasattr(self.client, "prefetch"):
+        if s is None or not hasattr(self.client, "prefetch") or (s.model_id and self.model_id
+                                                                  and s.model_id != self.model_id):
             return 0
         return self.client.prefetch(self.ns, full_blocks(self.ns, s.token_ids))
 

@@ -95,6 +95,7 @@ def _turn(llm: LLM, conn: EngineConnector | None, sessions: SessionStore | None,
         session.token_ids = out.prompt_token_ids + out.token_ids
         session.model_id = llm.model_id
         session.namespace = conn.ns.fingerprint().hex() if conn else ""
+        session.block_tokens = conn.ns.block_tokens if conn else 0  # the keys chain over the namespace's blocks
         sessions.put(session)
     return out
 

@@ -103,9 +103,10 @@ class Scheduler:
             computed = self.connector.load(seq.token_ids, start, end, pages, self.kv_cache)
             assert start <= computed <= end, f"connector loaded up to {computed}, outside [{start}, {end}]"
             n = min(seq.num_tokens - computed, budget, len(seq.page_table) * ps - computed)
-        # counted over the prompt only: a preempted sequence is matched again over its output too
-        seq.num_local_cached_tokens = min(local, start, seq.num_prompt_tokens)
-        seq.num_cached_tokens = max(0, min(computed, seq.num_prompt_tokens) - seq.num_local_cached_tokens)
+        if not seq.admitted:  # as vLLM counts them: once (a preempted sequence matches its own pages again)
+            seq.num_local_cached_tokens = min(local, start, seq.num_prompt_tokens)
+            seq.num_cached_tokens = max(0, min(computed, seq.num_prompt_tokens) - seq.num_local_cached_tokens)
+            seq.admitted = True
         seq.num_computed_tokens = computed
         self.blocks.commit(seq)
         return n

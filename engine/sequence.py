@@ -50,8 +50,9 @@ class Sequence:
     page_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full pages, computed lazily
     num_registered_pages: int = 0  # leading pages already offered to the prefix cache
-    num_cached_tokens: int = 0  # loaded from the KV connector at (last) admission
-    num_local_cached_tokens: int = 0  # hit in the engine's own prefix cache at (last) admission
+    num_cached_tokens: int = 0  # loaded from the KV connector at its first admission
+    num_local_cached_tokens: int = 0  # hit in the engine's own prefix cache at its first admission
+    admitted: bool = False  # admitted once (a preempted one is admitted again: its counts stay)
     finish_reason: str | None = None  # "stop" (EOS / stop token) or "length"
     generator: torch.Generator | None = None
     arrival_s: float = field(default_factory=time.perf_counter)

@@ -110,6 +110,25 @@ def test_fp32_warm_equals_no_connector_and_corruption_is_recomputed(tmp_path):
     assert after["token_ids"] == none["token_ids"]
 
 
+def test_blocks_the_store_lost_are_stored_again_once_recomputed(tmp_path):
+    # a connector remembers what it stored, to skip it; a block the store evicted must not stay "stored"
+    client = connect(f"local://{tmp_path}/store?cpu=300KiB&disk=600KiB")
+    llm = LLM("tiny-random", dtype="float32", num_pages=64, enable_prefix_caching=False)
+    llm.set_kv_connector(EngineConnector(client, llm.kv_namespace(16), llm.page_size))
+    once = SamplingParams(max_tokens=2, ignore_eos=True)
+    a = list(range(100, 181))  # five full blocks
+    assert [llm.generate([a], once)[0].num_cached_tokens for _ in range(2)] == [0, 80]
+    # other prompts push a's blocks out of both tiers: the next run is a miss and recomputes them
+    for i in range(12):
+        llm.generate([[(7 * i + 13 * j) % 1000 + 3 for j in range(81)]], once)
+    client.flush(10)
+    assert llm.generate([a], once)[0].num_cached_tokens == 0
+    # which stored them again: the run after loads all five
+    client.flush(10)
+    assert llm.generate([a], once)[0].num_cached_tokens == 80
+    client.close()
+
+
 def test_unreachable_or_malformed_cache_urls(tmp_path):
     # a daemon that does not answer: a warning, an answer without the cache, exit 0
     env = dict(os.environ, OMP_NUM_THREADS="1")

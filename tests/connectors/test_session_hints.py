@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from cache_service.sessions.manifests import SessionManager, SessionStore
+from cache_service.sessions.manifests import Session, SessionManager, SessionStore
+from connectors.client import connect
 from connectors.prefix import full_blocks
 from connectors.session_hints import HintError, SessionHint, SessionKeeper
 from tests.cache_service.store.store_helpers import NS, make_store, payload_for
@@ -68,4 +69,19 @@ def test_a_released_session_is_not_pinned_again_by_a_resume(tmp_path):
     # Any node resuming it (the daemon's ResumeSession) leaves it unpinned.
     s, n = SessionManager(store, manifests).resume("acme", "agent-7", NS, key_tenant=None)
     assert n == 4 and not any(store.pins.is_pinned(k) for k in keys)
+    store.close()
+
+
+def test_a_session_another_model_recorded_is_not_taken_over(tmp_path):
+    # model A recorded agent-7; a server running model B gets a hinted request for the same id
+    store = connect(f"local://{tmp_path}/store")
+    manifests = SessionStore(tmp_path / "manifests")
+    manifests.put(Session("agent-7", model_id="A@1111", namespace="aa" * 16, block_tokens=16,
+                          messages=[{"role": "user", "content": "A's conversation"}], token_ids=list(range(100))))
+    keeper = SessionKeeper(store, NS, manifests, "", "B@2222")
+    # the hint is refused (the server reports it in the reply), and A's manifest is left as it was
+    with pytest.raises(HintError, match="belongs to model A@1111"):
+        keeper.finished(SessionHint("agent-7", retain_s=60), list(range(5, 40)))
+    assert manifests.get("agent-7").messages == [{"role": "user", "content": "A's conversation"}]
+    assert keeper.prefetch("agent-7") == 0
     store.close()

@@ -52,3 +52,24 @@ def test_chat_session_resumes_its_kv_in_later_processes(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert r.returncode == 0 and out["cached_tokens"] >= 32
     assert out["prompt_tokens"] > out["cached_tokens"]
+
+
+def test_a_session_continued_with_other_blocks_records_them(tmp_path):
+    # a session started with 16-token blocks and continued with 32: its manifest names the 32-token namespace
+    # and block size together, so a resume (a daemon's, a pin) finds the blocks the last turn stored
+    from cache_service.sessions.manifests import SessionManager
+    from connectors.client import connect, session_manifests
+    from engine import LLM
+
+    url = f"local://{tmp_path}/store"
+    for bt, prompt in ((16, "Tell me a long story about a robot who learns to paint, please."), (32, "and then?")):
+        r = run("generate", "--model", "tiny-random", "--dtype", "float32", "--kv-connector", url, "--session", "s1",
+                "--block-tokens", str(bt), "--max-tokens", "8", "--prompt", prompt, "--json")
+        assert r.returncode == 0, r.stderr
+    client = connect(url)
+    manifests = session_manifests(url, None, client)
+    ns32 = LLM("tiny-random", dtype="float32", num_pages=64).kv_namespace(32)
+    s = manifests.get("s1")
+    assert s.block_tokens == 32 and s.namespace == ns32.fingerprint().hex()
+    assert SessionManager(client, manifests).resume("", "s1", ns32)[1] >= 1
+    client.close()

@@ -73,6 +73,8 @@ def test_preemption_recomputes_and_matches(tiny_llm_factory, tiny_prompts):
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy.generate(tiny_prompts, params)]
     # and every page went back to the free lists
     assert small.blocks.num_free_pages == small.blocks.num_pages
+    # distinct prompts computed cold report nothing cached, though a preempted one matched its own pages again
+    assert [(o.num_cached_tokens, o.num_local_cached_tokens) for o in outs] == [(0, 0)] * len(outs)
 
 
 def test_seeded_sampling_is_reproducible(tiny_llm_factory, tiny_prompts):
