@@ -52,20 +52,26 @@ class EngineConnector:
     def num_cached_tokens(self, token_ids: list[int]) -> int:
         self.stats.lookups += 1
         hashes = full_blocks(self.ns, token_ids)
+        errors = self._client_errors()
         try:
             held = self.client.lookup(hashes)
         except Exception:  # dispatch boundary: an unusable cache is a miss
             log.exception("lookup failed; treating as a miss")
             self.stats.errors += 1
             return 0
-        self._known.forget(hashes[held:])  # evicted or lost since they were stored: saved again once computed
+        if self._client_errors() == errors:  # an answer, not a failure the client turned into a miss
+            self._known.forget(hashes[held:])  # evicted or lost since they were stored: saved again once computed
         return held * self.block_tokens
+
+    def _client_errors(self) -> int:
+        """The failures the client counted (a daemon's client answers a failed call as a miss)."""
+        return getattr(self.client, "errors", 0)
 
     def load(self, token_ids: list[int], start: int, end: int, page_ids: list[int], kv_cache: torch.Tensor) -> int:
         bt = self.block_tokens
         assert start % bt == 0 and end % bt == 0 and len(page_ids) * self.page_size >= end - start
         hashes = block_hashes(self.ns, token_ids, start, end)
-        before = self._hits()
+        before, errors = self._hits(), self._client_errors()
         try:
             payloads = self.client.load(self.ns, hashes)
         except Exception:
@@ -74,7 +80,8 @@ class EngineConnector:
             return start
         n = loaded_prefix(payloads)
         self.stats.blocks_failed += len(payloads) - n
-        self._known.forget(hashes[n:])  # missing or corrupt: the recomputed copies are stored again
+        if self._client_errors() == errors:  # missing or corrupt: the recomputed copies are stored again
+            self._known.forget(hashes[n:])
         if n:
             table = self._table(page_ids[: n * self._pages_per_block], kv_cache.device)
             blocks = torch.stack(payloads[:n]).to(device=kv_cache.device, dtype=kv_cache.dtype)

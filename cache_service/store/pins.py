@@ -84,6 +84,7 @@ class PinBook:
                     self._block_bytes[tenant] += size
                     self._block_owner[h] = tenant
                 mine.move_to_end(h)
+            self._compact()
             yielded = 0
             while self.cap_bytes and self._block_bytes[tenant] > self.cap_bytes:
                 self._unpin_block(next(iter(mine)))
@@ -101,6 +102,13 @@ class PinBook:
         with self._lock:
             for h in hashes:
                 self._unpin_block(h)
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the deadlines that extended or dropped pins left behind, once they outnumber the pins."""
+        if len(self._deadlines) > 2 * len(self._blocks) + 64:
+            self._deadlines = [(u, h) for h, u in self._blocks.items() if u != math.inf]
+            heapq.heapify(self._deadlines)
 
     def forget(self, hashes: Sequence[BlockHash]) -> None:
         """Blocks deleted from the store: no block pin survives them."""

@@ -15,7 +15,7 @@ from tiers.types import ConfigError, TierKVError, TierUnavailableError
 log = logging.getLogger("vllm.tierkv")
 
 _clients: dict[str, list] = {}  # url -> [client, users, lookup server or None]
-_clients_lock = threading.RLock()
+_clients_lock = threading.Lock()
 
 
 class CacheNotOpen(TierUnavailableError):
@@ -33,10 +33,12 @@ class LateClient:
 
     RETRY_S = 10.0
 
-    def __init__(self, url: str, why: str, opened: Callable[[CacheClient], None]) -> None:
-        self._url, self._why, self._opened = url, why, opened
+    def __init__(self, url: str, why: str, serve: Callable[[CacheClient], LookupServer | None]) -> None:
+        """`serve(client)`: the lookup server to start for the client once it opens (it is this one's to close)."""
+        self._url, self._why, self._serve = url, why, serve
         self._lock = threading.Lock()
         self._client: CacheClient | None = None
+        self._server: LookupServer | None = None
         self._retry_at = time.monotonic() + self.RETRY_S
         self._opening = self._closed = False
 
@@ -57,16 +59,17 @@ class LateClient:
             with self._lock:
                 self._why, self._opening, self._retry_at = str(e), False, time.monotonic() + self.RETRY_S
             return
-        if not self._closed:
-            self._opened(client)  # (the lookup server: outside this lock, which callers take)
+        server = self._serve(client)  # (outside this lock, which every call takes)
         with self._lock:
             self._opening, keep = False, not self._closed
             if keep:
-                self._client = client
+                self._client, self._server = client, server
         if keep:
             log.info("tierkv: %s opened", self._url)
-        else:
-            client.close()
+            return
+        if server is not None:  # closed meanwhile: what was started for it goes too
+            server.close()
+        client.close()
 
     def __getattr__(self, name: str) -> Any:  # every method of the client, once it opens
         if name.startswith("_"):
@@ -75,7 +78,9 @@ class LateClient:
 
     def close(self) -> None:
         with self._lock:
-            client, self._client, self._closed = self._client, None, True
+            client, server, self._client, self._server, self._closed = self._client, self._server, None, None, True
+        if server is not None:
+            server.close()
         if client is not None:
             client.close()
 
@@ -104,18 +109,18 @@ def _open(url: str, worker: bool, instance: str, entry: list) -> CacheClient | R
             return RemoteLookup(lookup_address(url, instance))
         log.warning("tierkv: %s; until it opens (tried every %.0f s) lookups miss, loads fail (vLLM "
                     "recomputes) and saves are dropped", e, LateClient.RETRY_S)
-        return LateClient(url, str(e), lambda c: _opened(entry, c, url, worker, instance))
+        return LateClient(url, str(e), lambda c: _served(c, url, worker, instance))
     except TierKVError as e:  # malformed URL: a configuration error, fail startup
         raise ConfigError(f"kv_connector_extra_config.url: {e}") from e
-    _opened(entry, client, url, worker, instance)
+    entry[2] = _served(client, url, worker, instance)
     return client
 
 
-def _opened(entry: list, client: CacheClient, url: str, worker: bool, instance: str) -> None:
-    """A worker that opened an embedded store serves its scheduler's lookups."""
+def _served(client: CacheClient, url: str, worker: bool, instance: str) -> LookupServer | None:
+    """A worker that opened an embedded store serves its scheduler's lookups: the server, or None."""
     if worker and is_local(url) and isinstance(client, TieredStore):
-        with _clients_lock:
-            entry[2] = _serve_lookups(client, url, instance)
+        return _serve_lookups(client, url, instance)
+    return None
 
 
 def _serve_lookups(store: TieredStore, url: str, instance: str) -> LookupServer | None:

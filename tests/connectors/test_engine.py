@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -127,6 +128,45 @@ def test_blocks_the_store_lost_are_stored_again_once_recomputed(tmp_path):
     client.flush(10)
     assert llm.generate([a], once)[0].num_cached_tokens == 80
     client.close()
+
+
+class _Deadline(grpc.RpcError):
+    """A call the daemon did not answer in time."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return "Deadline Exceeded"
+
+
+def test_a_failed_daemon_lookup_does_not_resend_what_the_daemon_holds(tmp_path):
+    # a daemon's client answers a failed call as a miss: the connector must not take it for blocks lost
+    from tests.integration.daemon_process import DaemonProcess
+
+    d = DaemonProcess(tmp_path, f'[tiers.cpu]\ncapacity = "64MiB"\n\n[tiers.disk]\npath = "{tmp_path / "store"}"\n'
+                                'capacity = "256MiB"\n').start()
+    try:
+        client = connect(d.url("stream"))
+        llm = LLM("tiny-random", dtype="float32", num_pages=64, enable_prefix_caching=False)
+        conn = EngineConnector(client, llm.kv_namespace(16), llm.page_size)
+        llm.set_kv_connector(conn)
+        once, a = SamplingParams(max_tokens=2, ignore_eos=True), list(range(100, 181))
+        assert llm.generate([a], once)[0].num_cached_tokens == 0 and conn.stats.blocks_saved == 5
+        # one Lookup fails (the daemon busy): a miss, recomputed, and nothing sent again
+        real = client.call
+
+        def one_failure(name, request, timeout_s=None):
+            client.call = real
+            if name == "Lookup":
+                raise _Deadline()
+            return real(name, request, timeout_s)
+        client.call = one_failure
+        assert llm.generate([a], once)[0].num_cached_tokens == 0 and client.errors == 1
+        assert conn.stats.blocks_saved == 5
+        client.close()
+    finally:
+        d.stop()
 
 
 def test_unreachable_or_malformed_cache_urls(tmp_path):

@@ -83,5 +83,10 @@ def test_a_session_another_model_recorded_is_not_taken_over(tmp_path):
     with pytest.raises(HintError, match="belongs to model A@1111"):
         keeper.finished(SessionHint("agent-7", retain_s=60), list(range(5, 40)))
     assert manifests.get("agent-7").messages == [{"role": "user", "content": "A's conversation"}]
-    assert keeper.prefetch("agent-7") == 0
+    # nor is it prefetched for model B; model A's own keeper does prefetch it
+    asked = []
+    store.prefetch = lambda ns, hashes: asked.append(len(hashes)) or 0
+    assert keeper.prefetch("agent-7") == 0 and asked == []
+    SessionKeeper(store, NS, manifests, "", "A@1111").prefetch("agent-7")
+    assert asked == [100 // NS.block_tokens]
     store.close()

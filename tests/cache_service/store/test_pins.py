@@ -137,3 +137,16 @@ def test_eviction_passes_over_session_pinned_blocks_and_prefetch_brings_blocks_u
     assert cpu.contains_many(early) == [True, True]
     assert all(same(g, payload_for(x)) for g, x in zip(store.load(NS, early), early))
     store.close()
+
+
+def test_pins_renewed_or_dropped_leave_no_growing_bookkeeping():
+    # a client renewing its pins, or pinning and unpinning, keeps the deadlines bounded by the pins held
+    book = PinBook(typical_bytes=lambda: 100)
+    hashes = [h(i) for i in range(1000)]
+    for _ in range(50):
+        book.pin(hashes, ttl_s=3600)
+    assert len(book._deadlines) <= 2 * 1000 + 64
+    for _ in range(50):
+        book.pin(hashes, ttl_s=3600)
+        book.unpin(hashes)
+    assert len(book._deadlines) <= 64 and not book.any()

@@ -221,3 +221,24 @@ def test_a_request_is_new_to_the_scheduler_once(tmp_path):
     sched.finished("r")
     assert not sched.knows("r")
     client.close()
+
+
+def test_a_client_closed_while_it_opens_leaves_no_lookup_server(tmp_path, monkeypatch):
+    # instance B's worker opens the directory in the background as A lets it go; vLLM shuts B down meanwhile
+    monkeypatch.setattr(LateClient, "RETRY_S", 0.05)
+    url = f"local://{tmp_path}/store"
+    a, b = opened(url, worker=True, instance="A"), opened(url, worker=True, instance="B")
+    real = clients.LookupServer
+    monkeypatch.setattr(clients, "LookupServer", lambda store, address: time.sleep(0.5) or real(store, address))
+    clients._close(a)
+    time.sleep(0.1)
+    with pytest.raises(CacheNotOpen):
+        b[0].lookup([])  # starts the background open, which takes a while to start its lookup server
+    time.sleep(0.2)
+    clients._close(b)
+    time.sleep(1.0)
+    # what it started for the closed client went with it: B's worker, started again, serves its scheduler
+    monkeypatch.setattr(clients, "LookupServer", real)
+    again = opened(url, worker=True, instance="B")
+    assert again[2] is not None
+    clients._close(again)
