@@ -131,7 +131,9 @@ class SessionKeeper:
         the manifest. `token_ids`: the tokens whose KV the engine computed
         (prompt + output but the last token). Returns what was done."""
         done: dict[str, Any] = {"session": hint.session}
-        self._same_model(hint.session)
+        current = self.manifests.get(hint.session, self.tenant) if self.manifests is not None else None
+        if self._other_model(current):  # its conversation is not this model's to take over
+            raise HintError(f"session {hint.session!r} belongs to model {current.model_id}, not {self.model_id}")
         if hint.release:
             done["released"] = self.pins.unpin_session(self.tenant, hint.session)
         elif hint.retain_s is not None:
@@ -139,20 +141,17 @@ class SessionKeeper:
             done["yielded"] = self.pins.pin_session(self.tenant, hint.session, self.ns, keys, hint.retain_s)
             done["pinned_blocks"] = len(keys)
         if self.manifests is not None and hint.release:
-            self._unpinned(hint.session)
+            self._unpinned(current)
         elif self.manifests is not None:
             self._record(hint, token_ids, messages)
         return done
 
-    def _same_model(self, session_id: str) -> None:
-        """HintError for a session another model recorded (its conversation is not this one's to take over)."""
-        s = self.manifests.get(session_id, self.tenant) if self.manifests is not None else None
-        if s is not None and s.model_id and self.model_id and s.model_id != self.model_id:
-            raise HintError(f"session {session_id!r} belongs to model {s.model_id}, not {self.model_id}")
+    def _other_model(self, s: Session | None) -> bool:
+        """Whether manifest `s` was recorded by another model than this keeper's."""
+        return s is not None and bool(s.model_id) and bool(self.model_id) and s.model_id != self.model_id
 
-    def _unpinned(self, session_id: str) -> None:
-        """A released session's manifest no longer asks a resume to pin it."""
-        s = self.manifests.get(session_id, self.tenant)
+    def _unpinned(self, s: Session | None) -> None:
+        """A released session's manifest `s` no longer asks a resume to pin it."""
         if s is not None and s.pinned_until:
             s.pinned_until = 0.0
             self.manifests.put(s)
@@ -161,8 +160,7 @@ class SessionKeeper:
         """Promote the blocks of a recorded session into the top tier; how many
         were queued (0 for an unknown session or a cache that cannot)."""
         s = self.manifests.get(session_id, self.tenant) if self.manifests is not None else None
-        if s is None or not hasattr(self.client, "prefetch") or (s.model_id and self.model_id
-                                                                  and s.model_id != self.model_id):
+        if s is None or not hasattr(self.client, "prefetch") or self._other_model(s):
             return 0
         return self.client.prefetch(self.ns, full_blocks(self.ns, s.token_ids))
 

@@ -18,7 +18,7 @@ per attention layer, in a backend-specific layout:
 import torch
 from torch import Tensor
 
-from kernels.paged_copy import check_blocks, check_page_ids, launch_copy_pages, require, resolve_impl
+from kernels.paged_copy import check_blocks, check_page_ids, launch_copy_pages, require, require_movable, resolve_impl
 from kernels.paged_copy_ref import as_words
 
 
@@ -27,8 +27,7 @@ def _check_layers(layers: list[Tensor], rank: int, what: str) -> Tensor:
     require(len(layers) > 0, "layers must not be empty")
     first = layers[0]
     require(first.dim() == rank, f"each layer must be {what}, got {tuple(first.shape)}")
-    require(first.dtype.is_floating_point or first.dtype == torch.int8,  # int8: a quantized cache's bytes
-            f"layers must be a float or int8 dtype, got {first.dtype}")
+    require_movable(first.dtype, "layers")
     for i, layer in enumerate(layers):
         require(
             layer.shape == first.shape and layer.dtype == first.dtype and layer.device == first.device,

@@ -171,8 +171,12 @@ def _check_cache(kv_cache: Tensor) -> None:
         f"got {tuple(kv_cache.shape)}",
     )
     require(kv_cache.is_contiguous(), "kv_cache must be contiguous")
-    require(kv_cache.dtype.is_floating_point or kv_cache.dtype == torch.int8,  # int8: a quantized cache's bytes
-            f"kv_cache must be a float or int8 dtype, got {kv_cache.dtype}")
+    require_movable(kv_cache.dtype, "kv_cache")
+
+
+def require_movable(dtype: torch.dtype, what: str) -> None:
+    """The caches the kernels move: float dtypes, and int8 (a quantized cache's bytes)."""
+    require(dtype.is_floating_point or dtype == torch.int8, f"{what} must be a float or int8 dtype, got {dtype}")
 
 
 def _block_shape(kv_cache: Tensor, n_blocks: int, pages_per_block: int) -> tuple[int, ...]:
