@@ -4,8 +4,6 @@ own filesystem, so ENOSPC is real) or on a capacity smaller than the data."""
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from cache_service.blocks.keys import Namespace, prefix_hashes
 from cache_service.blocks.objects import object_size
 from tests.reliability.conftest import figure
 from tests.tiers.disk_objects import headed_slots
+from tests.tiers.tmpfs import require_tmpfs, unmount
 
 pytestmark = pytest.mark.slow
 BIG = Namespace("rel-model", "bfloat16", num_layers=2, kv_heads=2, head_dim=128, block_tokens=16)  # 32 KiB blocks
@@ -35,19 +34,13 @@ def blocks(n: int, start: int = 0) -> list:
 
 @pytest.fixture
 def small_fs(tmp_path):
-    """A 4 MiB tmpfs mounted for this test (needs root; skipped without)."""
+    """A 4 MiB tmpfs mounted for this test (needs root: a failure under CI, skipped elsewhere)."""
     mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if done.returncode:  # CI runs as root: there a mount that fails is a failure
-        reason = f"cannot mount a tmpfs: {done.stderr.strip()}"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require_tmpfs(mnt, "4m")
     try:
         yield mnt
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        unmount(mnt)
 
 
 def open_disk_store(root: Path, disk_capacity: str | int, queue_depth: int = 4):
