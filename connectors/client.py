@@ -97,17 +97,5 @@ def connect(url: str, config_file: str | os.PathLike | None = None) -> CacheClie
     if scheme == "grpc":
         from connectors.grpc.client import GrpcClient  # lazy: grpc only when a daemon is used
 
-        _check_host_port(url)
-        return GrpcClient(url)
+        return GrpcClient(url)  # (which checks host and port before it connects)
     raise TierKVError(f"cache URL {url!r}: expected local:///path/to/dir, local://, grpc://host:port or none")
-
-
-def _check_host_port(url: str) -> None:
-    """TierKVError unless a grpc:// URL names a host and a port 1-65535."""
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:  # not a number, or out of range
-        port = None
-    if not parts.hostname or port is None or port == 0:
-        raise TierKVError(f"cache URL {url!r}: expected grpc://host:port with a port 1-65535")
