@@ -32,5 +32,5 @@ ext = [Extension("tiers._fastcopy", ["tiers/_fastcopy.c"], depends=["tiers/_span
        Extension("tiers._presence", ["tiers/_presence.c"], extra_compile_args=["-O2"]),
        Extension("tiers._slotio", ["tiers/_slotio.c"], depends=["tiers/_spans.h"], extra_compile_args=["-O2"])]
 if have_header:
-    ext.append(Extension("cache_service.blocks._hashchain", ["cache_service/blocks/_hashchain.c"], libraries=["xxhash"]))
+    ext.append(Extension("cache_service.blocks._hashchain", ["cache_service/blocks/_hashchain.c"]))
 setup(ext_modules=ext, cmdclass={"build_ext": OptionalBuildExt})

@@ -1,10 +1,13 @@
 /* Chained block hashes in one call: h_i = XXH3_128(h_{i-1} || block_i).
  * The Python loop in cache_service/keys.py is the reference; this only
- * removes its per-block interpreter overhead. Links against libxxhash. */
+ * removes its per-block interpreter overhead. xxHash is compiled in from its
+ * header (XXH_INLINE_ALL): a block is 80 bytes, where a call into the shared
+ * library cost a sixth of the time per token (251 -> 306 M tokens/s). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#define XXH_INLINE_ALL
 #include <xxhash.h>
 
 #define PREFETCH_AHEAD 8
