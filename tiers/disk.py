@@ -205,6 +205,7 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
                 return 0
             for _, e in gone:
                 self._release(e)
+        self.space.reclaim(self.segments, self.segments.step)  # past the lock: puts commit meanwhile
         return len(gone)
 
     def _release(self, e: Entry) -> None:

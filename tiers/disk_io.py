@@ -3,6 +3,8 @@ read threads, read buffers, the root's lock, directory fsyncs, and the
 earlier one-file-per-block layout set aside."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import logging
@@ -61,6 +63,20 @@ def lock_root(root: Path) -> int:
         os.close(fd)
         raise TierUnavailableError(f"disk tier {root} is in use by another process") from None
     return fd
+
+
+_FALLOC_KEEP_SIZE_PUNCH_HOLE = 0x01 | 0x02  # linux/falloc.h
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Give bytes [offset, offset + length) of a file back to the filesystem
+    (they read as zeros; the file keeps its size). Raises OSError
+    (EOPNOTSUPP where the filesystem cannot)."""
+    if _libc.fallocate(fd, _FALLOC_KEEP_SIZE_PUNCH_HOLE, offset, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
 
 
 def fsync_dir(path: Path) -> None:

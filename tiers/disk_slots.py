@@ -37,6 +37,7 @@ import torch
 import xxhash
 
 from tiers.disk_index import RECORD
+from tiers.disk_io import punch_hole
 from tiers.host_copy import XXH3
 from tiers.types import HASH_BYTES, BlockHash
 
@@ -87,6 +88,16 @@ def _geometry(size: int) -> tuple[int, int]:
     return slot_size(size), per_file(slot_size(size))
 
 
+def _runs(c: int, slots: Sequence[int]) -> Iterator[tuple[tuple[int, int], int, int]]:
+    """(file key, start, end) of each run of neighbouring slots of `c` bytes in one file."""
+    per, run = per_file(c), []
+    for s in [*sorted(slots), -2]:
+        if run and (s != run[1] + 1 or s // per != run[0] // per):
+            yield (c, run[0] // per), (run[0] % per) * c, (run[1] % per + 1) * c
+            run = []
+        run = [run[0] if run else s, s]
+
+
 def name(key: tuple[int, int]) -> str:
     """The file name of segment `key` (slot size, file number)."""
     return f"{key[0]}-{key[1]}"
@@ -104,7 +115,7 @@ class Segments:
 
     def __init__(self, root: Path, sync: bool, step_bytes: int = GROW_BYTES) -> None:
         """`step_bytes`: how far past a write a file is allocated ahead (the tier's capacity at most)."""
-        self.root, self._sync, self._step = root, sync, max(1, min(step_bytes, GROW_BYTES))
+        self.root, self._sync, self.step = root, sync, max(1, min(step_bytes, GROW_BYTES))
         self.root.mkdir(parents=True, exist_ok=True)
         self._fds: dict[tuple[int, int], int] = {}  # (slot size, file number) -> fd
         self._ends: dict[tuple[int, int], int] = {}  # bytes allocated in each file
@@ -132,7 +143,7 @@ class Segments:
             have = self._ends[key]
             if end <= have:
                 return
-            step = min(max(end, have + self._step), per_file(key[0]) * key[0])
+            step = min(max(end, have + self.step), per_file(key[0]) * key[0])
             st = os.fstatvfs(fd)
             reserve = min(INDEX_RESERVE_BYTES, st.f_blocks * st.f_frsize // 8)  # the index's writes need room too
             free = st.f_bavail * st.f_frsize - reserve
@@ -265,6 +276,30 @@ class Segments:
         """Zero slot `s`'s header: a freed slot is not read back as a block by `scan`."""
         key, off = self._place(size, s)
         os.pwrite(self._fd(key), _EMPTY_HEAD, off)
+
+    def punch(self, c: int, slots: Sequence[int]) -> int:
+        """Give the disk space of free slots `slots` (of `c` bytes each) back
+        to the filesystem: the whole pages of each run of neighbouring slots.
+        Bytes given back; raises OSError (EOPNOTSUPP: not on this filesystem)."""
+        freed = 0
+        for key, start, end in _runs(c, slots):
+            lo, hi = -(-start // 4096) * 4096, end // 4096 * 4096
+            if hi > lo:
+                punch_hole(self._fd(key), lo, hi - lo)
+                freed += hi - lo
+        return freed
+
+    def fill(self, c: int, slots: Sequence[int]) -> tuple[set[int], OSError | None]:
+        """Allocate the space of slots `slots` (of `c` bytes each) that `punch`
+        gave back, before they are written, so a full disk refuses here: the
+        slots that could not be allocated, and the first error."""
+        failed, err = set(), None
+        for key, start, end in _runs(c, slots):
+            try:
+                os.posix_fallocate(self._fd(key), start, end - start)
+            except OSError as e:
+                failed, err = failed | {key[1] * per_file(c) + i for i in range(start // c, end // c)}, err or e
+        return failed, err
 
     def ends(self) -> dict[tuple[int, int], int]:
         """Each segment file's length (bytes)."""

@@ -9,9 +9,17 @@ by the sweep's walk over the index (`seen` per record, `walked` at its
 end), after which they are handed out again. A slot is free again only
 once the delete of its block is committed, so a crash never leaves two
 records on one slot; a put that fails gives its slot back.
+
+Free slots hold disk space, and each slot size has files of its own: a tier
+whose blocks changed size (another model, another block size) would hold
+its capacity again in every old size's free slots. So free space past a
+slack is given back to the filesystem (`reclaim`, oldest freed first, every
+size in proportion), and those slots are holes until one is handed out
+again and allocated before its write (`Segments.fill`).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from array import array
 from contextlib import contextmanager
@@ -22,6 +30,7 @@ import torch
 
 from tiers.disk_slots import Segments, slot_size, slot_sizes
 
+log = logging.getLogger(__name__)
 _ROW = np.dtype([("size", "<u8"), ("csum", "<u8"), ("slot", "<u8"), ("atime", "<u8")])  # tiers/disk_index.RECORD
 
 
@@ -32,11 +41,14 @@ class FreeSlots:
         self._lock = threading.Lock()
         self._reset(marks, {})
         self._seen: dict[int, np.ndarray] | None = {c: np.zeros(m, dtype=bool) for c, m in marks.items()}
+        self._punching = True  # until the filesystem refuses
 
     def _reset(self, marks: dict[int, int], free: dict[int, list[int]]) -> None:
         self.marks = dict(marks)
         self._opened = dict(marks)  # below these, free slots are unknown until the walk
         self._free = {c: array("Q", sorted(f, reverse=True)) for c, f in free.items()}
+        self._holes: dict[int, array] = {}  # free slots whose space `reclaim` gave back
+        self._epoch = getattr(self, "_epoch", 0) + 1  # a rebuild: slots out of the lists may be indexed now
 
     def take(self, size: int) -> int:
         """A free slot for an object of `size` bytes (past the mark if none)."""
@@ -44,31 +56,38 @@ class FreeSlots:
 
     def take_many(self, sizes: Sequence[int]) -> list[int]:
         """`take` for each of `sizes`, under one hold of the lock."""
+        return self._take(sizes)[0]
+
+    def _take(self, sizes: Sequence[int]) -> tuple[list[int], dict[int, list[int]]]:
+        """`take_many`, and the slots handed out that are holes (per slot size):
+        free slots first (last freed first), then holes, then past the mark."""
         if sizes and sizes.count(sizes[0]) == len(sizes):
-            return self._take_alike(slot_size(sizes[0]), len(sizes))
-        out = []
+            c = slot_size(sizes[0])
+            out, holes = self._take_alike(c, len(sizes))
+            return out, {c: holes} if holes else {}
+        out, holes = [], {}
         with self._lock:
             for size in sizes:
                 c = slot_size(size)
-                free = self._free.get(c)
+                free, hole = self._free.get(c), self._holes.get(c)
                 if free:
                     out.append(free.pop())
+                elif hole:
+                    out.append(hole.pop())
+                    holes.setdefault(c, []).append(out[-1])
                 else:
                     out.append(self.marks.get(c, 0))
                     self.marks[c] = out[-1] + 1
-        return out
+        return out, holes
 
-    def _take_alike(self, c: int, n: int) -> list[int]:
-        """n slots of `c` bytes: as `take_many` gives them (free ones last freed first, then past the mark)."""
+    def _take_alike(self, c: int, n: int) -> tuple[list[int], list[int]]:
+        """n slots of `c` bytes as `_take` gives them, and which of them are holes."""
         with self._lock:
-            free = self._free.get(c)
-            k = min(n, len(free)) if free else 0
-            out = free[len(free) - k:].tolist()[::-1] if k else []
-            if k:
-                del free[len(free) - k:]
+            out = _pop(self._free.get(c), n)
+            holes = _pop(self._holes.get(c), n - len(out))
             mark = self.marks.get(c, 0)
-            self.marks[c] = mark + n - k
-            return out + list(range(mark, mark + n - k))
+            self.marks[c] = mark + n - len(out) - len(holes)
+            return out + holes + list(range(mark, self.marks[c])), holes
 
     def write_into(self, segments: Segments, hashes: Sequence[bytes], objs: Sequence[torch.Tensor],
                    durable: bool = False) -> tuple[list[tuple[bytes, int, int, int]], set[tuple[int, int]], OSError | None]:
@@ -77,8 +96,22 @@ class FreeSlots:
         size, checksum, slot) of each written, the files to sync, the first
         error met; the slot of one not written is free again."""
         sizes = [o.numel() for o in objs]
-        slots = self.take_many(sizes)
-        sums, files, err = segments.write_many(hashes, objs, slots, durable)
+        slots, holes = self._take(sizes)
+        unfilled, err = set(), None
+        for c, hs in holes.items():
+            failed, err = segments.fill(c, hs)
+            unfilled |= failed
+        todo = [i for i, s in enumerate(slots) if s not in unfilled] if unfilled else range(len(slots))
+        sums = [None] * len(slots)
+        if todo:
+            at = list(todo)
+            got, files, err2 = segments.write_many([hashes[i] for i in at], [objs[i] for i in at],
+                                                   [slots[i] for i in at], durable)
+            for i, csum in zip(at, got):
+                sums[i] = csum
+            err = err or err2
+        else:
+            files = set()
         for n, s, csum in zip(sizes, slots, sums):
             if csum is None:
                 self.give(n, s)
@@ -93,6 +126,34 @@ class FreeSlots:
                 seen[s] = False  # below the open mark: the walk's end frees it
             else:
                 self._free.setdefault(c, array("Q")).append(s)
+
+    def reclaim(self, segments: Segments, slack: int) -> int:
+        """Once free slots hold more than `slack` bytes, give the space of the
+        oldest freed back to the filesystem until they hold half of it (each
+        slot size in proportion). Bytes given back."""
+        with self._lock:
+            total = sum(c * len(f) for c, f in self._free.items())
+            if not self._punching or total <= slack:
+                return 0
+            cut, epoch = {}, self._epoch
+            for c, f in self._free.items():
+                k = len(f) - int(len(f) * slack / 2 / total)
+                if k > 0:  # out of the lists while punched: nothing hands them out meanwhile
+                    cut[c] = f[:k].tolist()
+                    del f[:k]
+        freed = 0
+        try:
+            for c, slots in cut.items():
+                freed += segments.punch(c, slots)
+        except OSError as e:
+            self._punching = False
+            log.warning("disk tier %s: free slots keep their disk space (giving it back failed: %s)",
+                        segments.root, e)
+        with self._lock:
+            if self._epoch == epoch:  # after a rebuild they may be indexed: left out until the next open
+                for c, slots in cut.items():
+                    self._holes.setdefault(c, array("Q")).extend(slots[::-1])
+        return freed
 
     def seen(self, values: list[bytes]) -> None:
         """The walk met these index records: their slots are in use."""
@@ -139,8 +200,10 @@ class FreeSlots:
             else:
                 for c, m in marks.items():
                     self.marks[c] = max(self.marks.get(c, 0), m)
-                for c, f in self._free.items():  # a freed copy a racing put left whole may be indexed now
-                    self._free[c] = array("Q", [s for s in f if s not in used.get(c, ())])
+                for free in (self._free, self._holes):  # a freed copy a racing put left whole may be indexed now
+                    for c, f in free.items():
+                        free[c] = array("Q", [s for s in f if s not in used.get(c, ())])
+                self._epoch += 1
             self._seen = None
             return dict(self.marks)
 
@@ -149,9 +212,19 @@ class FreeSlots:
         return self._seen is None
 
     def spare_bytes(self) -> int:
-        """Bytes in free slots (segment space held but unused)."""
+        """Bytes in free slots that hold their disk space (not holes)."""
         with self._lock:
             return sum(c * len(f) for c, f in self._free.items())
+
+
+def _pop(stack: array | None, n: int) -> list[int]:
+    """The last `n` entries of `stack` (at most), removed, last first."""
+    k = min(n, len(stack)) if stack else 0
+    if not k:
+        return []
+    out = stack[len(stack) - k:].tolist()[::-1]
+    del stack[len(stack) - k:]
+    return out
 
 
 class WritesInFlight:

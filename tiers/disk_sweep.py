@@ -59,6 +59,7 @@ def sweep(tier: Swept) -> None:
         freed = tier.space.walked()
         if freed:
             log.info("disk tier %s: %d free slots found below the marks", tier.root, freed)
+        tier.space.reclaim(tier.segments, tier.segments.step)
         remove_old_layouts(tier.root)
     except Exception as e:  # a background worker: a failed sweep leaves free slots unused, never a crash
         if not tier.closed:
