@@ -27,7 +27,7 @@ from cache_service.protocol.streaming import (WIRE_VERSION, FramingError, Object
 from cache_service.blocks.keys import Namespace
 from cache_service.server.metrics import Metrics
 from cache_service.protocol.batches import per_bytes, split
-from cache_service.blocks.objects import adopt, object_size
+from cache_service.blocks.objects import HEADER_SIZE, adopt, object_size
 from cache_service.server.rpc import rpc
 from cache_service.server.stalls import StallGuard
 from cache_service.sessions.manifests import SessionManager, check_id
@@ -38,6 +38,7 @@ from cache_service.protocol.messages import (RequestError, hashes_from_pb, inval
                                 session_to_pb, stats_to_pb)
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
+from tiers.host_copy import copy_hashed
 from tiers.types import BlockHash, CorruptBlockError
 
 class TierKVServicer(pb_grpc.TierKVServicer):
@@ -194,12 +195,15 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         S, total = object_size(ns), self._check_request_bytes(len(keys), ns)
         region = self.attachments.get(request.attachment, tenant).region(request.offset, len(keys) * S)
         sent_ns, sent = ns_from_pb(request.ns), hashes_from_pb(request.hashes, self.s.max_blocks)
-        rows = region.view(len(keys), S)
-        try:  # the client encoded the objects in place: check them in full, then one copy into the pool
-            adopt(rows, sent_ns, sent, ns, keys)
+        # Copied out of the client's memory, hashed as copied, and checked there: the client can
+        # still write its segment, so bytes checked in place could change before the store copies them.
+        rows = torch.empty(len(keys), S, dtype=torch.uint8)
+        sums = copy_hashed(list(rows.numpy()), list(region.view(len(keys), S).numpy()), HEADER_SIZE)
+        try:
+            adopt(rows, sent_ns, sent, ns, keys, sums)
         except CorruptBlockError as e:
             raise invalid(f"StoreShm: bad block object in shared memory ({e})") from None
-        stored = self.store.store_objects(ns, keys, rows.unbind(0), verify=False)
+        stored = self.store.store_objects(ns, keys, rows.unbind(0), verify=False, owned=True)
         self.metrics.moved(tenant, "store", total)
         return pb.StoreReply(stored=stored)
 

@@ -15,7 +15,7 @@ delete log mark (deletes.py): a delete after the read still wins.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -226,23 +226,6 @@ class Placement:
         st = self.state
         for h, obj in items:
             st.inflight.setdefault(h, {}).setdefault(id(obj), [obj, 0])[1] += 1
-            if id(obj) in st.holds:
-                st.holds[id(obj)][0] += 1
-
-    def keep(self, releases: dict[int, Callable[[], None]]) -> None:
-        """Writes are about to be queued with objects that are views of
-        another tier's slots (no copy): run `releases[id(obj)]` (end the
-        slot's hold) once every write of that object queued from now on is
-        done, and once the caller's own count goes (`settle`)."""
-        with self.state.meta:
-            for key, release in releases.items():
-                entry = self.state.holds.setdefault(key, [0, []])
-                entry[0] += 1
-                entry[1].append(release)
-
-    def settle(self, objs: Iterable[torch.Tensor]) -> None:
-        """Drop the count `keep` gave the caller (its writes are queued)."""
-        self._unhold([id(o) for o in objs])
 
     def _live(self, items: Sequence[Item]) -> list[Item]:
         """Those of a writer's items still in flight (not deleted since they were queued)."""
@@ -264,19 +247,6 @@ class Placement:
                     del writes[id(obj)]
                     if not writes:
                         del inflight[h]
-        self._unhold([id(obj) for _, obj in items])
-
-    def _unhold(self, keys: Iterable[int]) -> None:
-        done = []
-        with self.state.meta:
-            for key in keys:
-                entry = self.state.holds.get(key)
-                if entry is not None:
-                    entry[0] -= 1
-                    if entry[0] <= 0:
-                        done += self.state.holds.pop(key)[1]
-        for release in done:
-            release()
 
     def persist(self, i: int, batch: Sequence[Item]) -> None:
         """Writer-thread body for tier i: put a batch, demoting victims below

@@ -16,11 +16,11 @@ daemon only checks headers, so neither reads the bytes twice and the two
 do not compete for memory bandwidth. Payload checksums are the client's,
 as on every store path; a pool others write is verified on every load
 (`verify_payload`), so a payload that does not match its checksum is a
-miss, never a wrong answer.
+miss, never a wrong answer. The write-through tiers below get checked copies
+(`_write_through`), not the slots the client can still write.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Sequence
 
 import torch
@@ -31,6 +31,7 @@ from cache_service.store.placement import Placement
 from cache_service.store.state import StoreState
 from cache_service.store.writer import Item
 from tiers.base import SlotTier
+from tiers.host_copy import copy_hashed
 from tiers.types import BlockHash, CapacityError
 
 HELD, NO_ROOM = -1, -2  # `reserve`'s answers for a block that gets no slot
@@ -151,25 +152,26 @@ class SharedSlots:
 
     def _write_through(self, pool: SlotTier, ns: Namespace, through: list[int], keys: list[BlockHash],
                        held: list) -> None:
-        """Queue the new blocks for the write-through tiers as views of their
-        slots, each slot held from reuse until its writes are done (no copy
-        on the committing client's time; `Placement.keep`). Their payloads
-        are checked first: commit checked the headers only, and the tiers
-        below keep what they are given (a mismatch stays a miss here)."""
+        """Queue the new blocks for the write-through tiers as copies of their
+        slots, checked as they are copied (one pass). Not views: the client
+        can still write its slots, the tiers below keep what they are given,
+        and a slot written after a check would reach the disk as a sound block
+        (a load from the pool checks its payload; one from the disk would not)."""
         entries = [(k, e) for k, e in zip(keys, held) if e is not None]
-        sound = verify([e[1] for _, e in entries], ns, [k for k, _ in entries]) if entries else []
-        bad = [(k, e) for (k, e), ok in zip(entries, sound) if ok is None]
-        if bad:
-            pool.let_go([e for _, e in bad])
-            self.placement.quarantine(0, [k for k, _ in bad])
-        entries = [(k, e) for (k, e), ok in zip(entries, sound) if ok is not None]
-        items = [(k, e[1]) for k, e in entries]
-        self.placement.keep({id(e[1]): partial(pool.let_go, [e]) for _, e in entries})
+        if not entries:
+            return
         try:
-            for i in through:
-                self.placement.submit(i, [it for it in items if not self.placement.below_has(i, it[0])])
+            copies = torch.empty(len(entries), entries[0][1][1].numel(), dtype=torch.uint8)
+            sums = copy_hashed(list(copies.numpy()), [e[1].numpy() for _, e in entries], HEADER_SIZE)
         finally:
-            self.placement.settle(obj for _, obj in items)
+            pool.let_go([e for _, e in entries])
+        sound = verify(copies, ns, [k for k, _ in entries], sums)
+        bad = [k for (k, _), ok in zip(entries, sound) if ok is None]
+        if bad:
+            self.placement.quarantine(0, bad)
+        items = [(k, obj) for (k, _), obj, ok in zip(entries, copies.unbind(0), sound) if ok is not None]
+        for i in through:
+            self.placement.submit(i, [it for it in items if not self.placement.below_has(i, it[0])])
 
     def spare_limit(self, ns: Namespace) -> int:
         """How many spare slots (`reserve_spare`) one client may hold: 1/16 of the shared top tier."""

@@ -46,7 +46,6 @@ class StoreState:
     pins: PinBook = field(init=False)  # its own lock (a leaf: taken under meta and tier locks alike)
     below_hits: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict)  # lower-tier hits not yet promoted
     deferred: list[OrderedDict[BlockHash, None]] = field(init=False)  # per tier: blocks refused while it was down
-    holds: dict[int, list] = field(default_factory=dict)  # id(obj) -> [writes pending, releases]: Placement.keep
     counters: list[dict[str, int]] = field(init=False)
     # writer 0 promotes hits into the top tier; writer i > 0 fills tier i (set by the store once built)
     writers: list["TierWriter"] = field(default_factory=list)

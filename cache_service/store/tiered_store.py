@@ -266,8 +266,9 @@ class TieredStore:
 
     def store_objects(self, ns: Namespace, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],
                       verify: bool = True, owned: bool = False) -> int:
-        """Store already-encoded objects (1-D uint8 CPU views, e.g. in a client's
-        shared memory): one copy into the top tier. Returns as `store`.
+        """Store already-encoded objects (1-D uint8 CPU tensors): one copy into
+        the top tier. Returns as `store`. The objects must not change under
+        this call: copy out of memory another process writes first.
 
         With `verify` (untrusted bytes) every header and payload checksum is
         checked first and a bad object raises CorruptBlockError, storing

@@ -158,3 +158,29 @@ def test_a_client_that_drops_its_segment_detaches_it(start):
         while d.attachments.counts()[0] > 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert d.attachments.counts()[0] == 1
+
+
+def test_objects_the_client_writes_again_after_the_check_are_not_what_is_stored(start, monkeypatch):
+    import cache_service.server.servicer as servicer
+
+    d = start()
+    stub, hs = raw(d), hashes(3)
+    seg, aid = attached(stub, hs)
+    real = servicer.adopt
+
+    def then_written(*args, **kw):  # the client writes its segment again right after the daemon's check
+        got = real(*args, **kw)
+        seg.data[HEADER_SIZE: S].fill_(0x3c)
+        return got
+    monkeypatch.setattr(servicer, "adopt", then_written)
+    try:
+        # the batch is stored as it was when checked, in the top tier and on disk
+        assert stub.StoreShm(pb.ShmRequest(ns=ns_to_pb(NS), hashes=hs, attachment=aid)).stored == 3
+        d.store.flush(60)
+        with GrpcClient(url(d, "stream")) as c:
+            assert intact(c, hs)
+        d.store.tiers[0].delete_many(hs)
+        with GrpcClient(url(d, "stream")) as c:
+            assert intact(c, hs)
+    finally:
+        seg.close()

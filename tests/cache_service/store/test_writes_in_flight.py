@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 
-from cache_service.blocks.objects import HEADER_SIZE, encode, encode_objects
+from cache_service.blocks.objects import HEADER_SIZE, encode_objects
 from tests.cache_service.store.store_helpers import NS, hashes, make_store, payload_for, same
 
 
@@ -76,27 +76,4 @@ def test_a_shared_pool_payload_unlike_its_checksum_never_reaches_disk(tmp_path):
     # It is not written through to disk (which would serve it as sound), and loads are misses.
     assert store.tiers[1].contains_many(h) == [False]
     assert store.load(NS, h) == [None] and store.lookup(h) == 0 and store.stats()["cpu"]["corrupt"] == 1
-    store.close()
-
-
-def test_a_slot_hold_ends_with_its_own_write_not_an_earlier_one(tmp_path):
-    store = make_store(tmp_path)
-    placement, h = store._placement, hashes(1)
-    paused, go = _paused_writer(store, 1)
-    other = hashes(1, start=50)
-    store.store(NS, other, [payload_for(x) for x in other])
-    assert paused.wait(20)
-    # Two writes of h queue behind it: an earlier copy, then a view of a slot held until its write is done.
-    earlier, view = encode(NS, h[0], payload_for(h[0])), encode(NS, h[0], payload_for(h[0]))
-    placement.submit(1, [(h[0], earlier)], wait=True)
-    ended = []
-    placement.keep({id(view): lambda: ended.append(True)})
-    placement.submit(1, [(h[0], view)], wait=True)
-    placement.settle([view])
-    # The earlier write ends first: the slot's hold stands, its view still to be written.
-    placement._release([(h[0], earlier)])
-    assert ended == []
-    # Its own write ends the hold, once.
-    go.set()
-    assert store.flush(20) and ended == [True] and store.tiers[1].contains_many(h) == [True]
     store.close()
