@@ -287,6 +287,10 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
             if not self._unindex([h]):  # still indexed: a miss at each read until lmdb takes the delete
                 self.stats.add(errors=1)
                 return False
+            if e[2] >= self.space.marks.get(slot_size(e[0]), 0):  # a damaged size: the totals took it off
+                log.warning("disk tier %s: a damaged index record; recounting the index's totals", self.root)
+                self.index.recount()
+                self._sync_totals()
             if mine:
                 self.segments.keep(e[0], e[2], self._quarantine_dir / f"{h.hex()}-{os.getpid()}-{next(self._seq)}")
                 self._release(e)

@@ -282,11 +282,11 @@ class DiskIndex:
                     else:
                         old = txn.get(k)
                         txn.put(k, v)
-                        nbytes += record_size(v) - record_size(old)
-                for k in dels:
+                        nbytes = max(0, nbytes + record_size(v) - record_size(old))
+                for k in dels:  # a damaged record's size can pass the totals: never below zero (the caller recounts)
                     old = txn.pop(k)
                     if old is not None:
-                        blocks, nbytes = blocks - 1, nbytes - record_size(old)
+                        blocks, nbytes = max(0, blocks - 1), max(0, nbytes - record_size(old))
                 for k, v in (only_if or {}).items():
                     now = txn.get(k)
                     if now is not None and now[:_PLACE] == v[:_PLACE]:

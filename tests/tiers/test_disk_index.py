@@ -135,3 +135,26 @@ def test_without_a_check_a_damaged_index_starts_empty(tmp_path):
     # Nothing can vouch for the slots: the segment files are emptied, not trusted.
     assert tier.stats.blocks == 0 and all(p.stat().st_size == 0 for p in (tmp_path / "segments").iterdir())
     tier.close()
+
+
+def test_a_record_whose_size_was_damaged_is_a_miss_and_the_totals_stay_whole(tmp_path):
+    import lmdb
+
+    for byte in (1, 2, 3):  # size fields a bit flip leaves below the largest object an index accepts
+        root = tmp_path / f"flip{byte}"
+        held = filled(root, 8)
+        env = lmdb.open(str(root / "index.lmdb"), subdir=True, lock=False)
+        with env.begin(write=True) as txn:
+            rec = bytearray(txn.get(held[3][0]))
+            rec[byte] ^= 0x10
+            txn.put(held[3][0], bytes(rec))
+        env.close()
+        tier = DiskTier(root, 1 << 30)
+        # Reads: the damaged record's block is a miss, every other block a hit; a second read the same.
+        for _ in range(2):
+            got = tier.get_many([h for h, _ in held])
+            assert [g is not None for g in got] == [i != 3 for i in range(8)]
+            assert all(torch.equal(g, o) for g, (_, o) in zip(got, held) if g is not None)
+        # The tier's totals count the seven blocks left, as they are.
+        assert tier.capacity_bytes - tier.free_bytes() == sum(o.numel() for i, (_, o) in enumerate(held) if i != 3)
+        tier.close()
