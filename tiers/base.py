@@ -106,9 +106,10 @@ class Tier(ABC):
         among `draws` random ones; the store's "sampled" policy asks)."""
         raise TierKVError(f"the {self.name} tier keeps no access times")
 
-    def note_namespace(self, fingerprint: bytes) -> None:
-        """The store is about to load blocks of this namespace (a tier whose
-        keys include it, like S3's, uses the hint to find blocks it never saw)."""
+    def note_namespace(self, fingerprint: bytes, object_bytes: int = 0) -> None:
+        """The store is about to load blocks of this namespace, objects of
+        `object_bytes` each (a tier whose keys include it, like S3's, uses the
+        hint to find blocks it never saw, and reads no object of another size)."""
 
     def take_gone(self) -> list[BlockHash]:
         """Blocks reads found missing from where others may think them (a
@@ -126,6 +127,10 @@ class Tier(ABC):
         """Take objects that failed verification out of service (a tier that
         can keep them aside for inspection overrides this)."""
         self.delete_many(hashes)
+
+    def tick(self) -> None:
+        """Work of the tier's own, on its writer's thread about once a second
+        while it is available (S3: deletes it could not send before)."""
 
     def close(self) -> None:
         """Release resources; the tier is unusable afterwards."""

@@ -39,11 +39,11 @@ import boto3
 import torch
 import urllib3
 from boto3.s3.transfer import TransferConfig
-from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
 
 from tiers import s3_io
 from tiers.base import ByteBudget, Tier
+from tiers.s3_deletes import PendingDeletes, S3Deletes
 from tiers.s3_io import (AUTH, MIB, MISSING, NO_NS, Outage, Throttled, error_code, looks_down, namespace_of,
                          read_body, validate)
 from tiers.types import BlockHash, ConfigError, TierKVError
@@ -54,7 +54,7 @@ _MAX_FOREIGN = 1 << 20  # blocks remembered from other nodes (oldest forgotten f
 T = TypeVar("T")
 
 
-class S3Tier(ByteBudget, Tier):
+class S3Tier(S3Deletes, ByteBudget, Tier):
     """Block objects in `bucket` under `prefix`; any S3-compatible endpoint.
 
     `endpoint_url` None means AWS; `access_key`/`secret_key` None use boto3's
@@ -77,17 +77,15 @@ class S3Tier(ByteBudget, Tier):
                  connect_timeout, read_timeout, retries, capacity_bytes)
         super().__init__(capacity_bytes)
         self.bucket, self.prefix = bucket, prefix
-        self._outage = Outage(retry_after_s)
-        cfg = BotoConfig(
-            region_name=region, s3={"addressing_style": addressing_style},
-            connect_timeout=connect_timeout, read_timeout=read_timeout,
-            retries={"mode": "standard", "total_max_attempts": retries + 1},
-            max_pool_connections=2 * max_concurrency,
-            request_checksum_calculation="when_required", response_checksum_validation="when_required")
-        # A session per tier: boto3's default session is not safe to share across threads.
-        self._client = boto3.session.Session().client(
-            "s3", endpoint_url=endpoint_url, aws_access_key_id=access_key,
-            aws_secret_access_key=secret_key, config=cfg)
+        self._outage = Outage(retry_after_s, (retries + 1) * (connect_timeout + read_timeout))
+
+        session = boto3.session.Session()  # one per tier: boto3's default session is not safe to share across threads
+        settings = dict(endpoint_url=endpoint_url, access_key=access_key, secret_key=secret_key, region=region,
+                        addressing_style=addressing_style, connections=2 * max_concurrency,
+                        connect_timeout=connect_timeout, read_timeout=read_timeout)
+        self._client = s3_io.client(session, retries + 1, **settings)
+        # Loads try once: a miss is recomputed, where each retry of an S3 that hangs costs the caller a timeout.
+        self._reader = s3_io.client(session, 1, **settings)
         self._transfer = TransferConfig(multipart_threshold=multipart_threshold,
                                         multipart_chunksize=multipart_threshold,
                                         max_concurrency=max_concurrency)
@@ -98,7 +96,8 @@ class S3Tier(ByteBudget, Tier):
         self._foreign: dict[BlockHash, int] = {}  # found, not counted: hash -> size
         self._ns: dict[BlockHash, str] = {}  # namespace hex of every block in _index or _foreign
         self._gone: list[BlockHash] = []  # answered 404 in every namespace tried (take_gone)
-        self._namespaces: dict[str, None] = {}  # namespaces seen or noted, most recent last
+        self._undeleted = PendingDeletes(_MAX_FOREIGN)  # deletes S3 did not take, sent again by tick
+        self._namespaces: dict[str, int] = {}  # namespaces seen or noted (-> object bytes, 0: unknown), most recent last
         self._used = self._reserved = 0
         self._ready = False  # bucket checked/created
         self._closed = False
@@ -113,11 +112,11 @@ class S3Tier(ByteBudget, Tier):
         ns = ns or self._ns.get(h) or NO_NS
         return f"{self.prefix}/{ns}/{h[0]:02x}/{h.hex()}"
 
-    def note_namespace(self, fingerprint: bytes) -> None:
+    def note_namespace(self, fingerprint: bytes, object_bytes: int = 0) -> None:
         """The store loads blocks of this namespace: look for unknown blocks there."""
         with self._lock:
-            self._namespaces.pop(fingerprint.hex(), None)
-            self._namespaces[fingerprint.hex()] = None  # most recent last
+            size = self._namespaces.pop(fingerprint.hex(), 0)
+            self._namespaces[fingerprint.hex()] = object_bytes or size  # most recent last
 
     def _candidates(self, h: BlockHash) -> list[str]:
         with self._lock:
@@ -159,7 +158,7 @@ class S3Tier(ByteBudget, Tier):
     def _learn(self, h: BlockHash, ns: str) -> None:
         """Caller holds the lock: block `h` lives under namespace `ns`."""
         self._ns[h] = ns
-        self._namespaces.setdefault(ns, None)
+        self._namespaces.setdefault(ns, 0)
 
     def _list(self) -> dict[BlockHash, tuple[int, int, str]]:
         """hash -> (size, last-modified ns, namespace hex) of every block under
@@ -208,40 +207,14 @@ class S3Tier(ByteBudget, Tier):
         if not self._usable():
             self.stats.add(errors=1)
             return False
+        key = self.key_of(h, namespace_of(obj))
+        self._undeleted.discard(key)  # stored again: its earlier delete is not to be sent
         try:
-            s3_io.upload(self._client, self.bucket, self.key_of(h, namespace_of(obj)),
-                         obj.cpu().numpy().tobytes(), self._transfer)
+            s3_io.upload(self._client, self.bucket, key, obj.cpu().numpy().tobytes(), self._transfer)
             return True
         except (BotoCoreError, ClientError) as e:
             self._fail("put", h.hex(), e)
             return False
-
-    def delete_many(self, hashes: Iterable[BlockHash]) -> int:
-        """Delete the objects (known to this node or not: another node may
-        have written them); returns how many this node knew of. A failed
-        delete still forgets the block here; the lifecycle rule reclaims it."""
-        hashes = list(dict.fromkeys(hashes))
-        keys = [self.key_of(h, ns) for h in hashes for ns in self._candidates(h)]
-        with self._lock:
-            self._check_open()
-            known = self._forget(hashes)
-        for start in range(0, len(keys), s3_io.DELETE_BATCH):
-            self._delete_keys(keys[start:start + s3_io.DELETE_BATCH])
-        return known
-
-    def _delete_keys(self, keys: list[str]) -> None:
-        if not keys or not self._usable():
-            self.stats.add(errors=len(keys))
-            return
-        try:
-            failed = s3_io.delete_keys(self._client, self.bucket, keys)
-        except (BotoCoreError, ClientError) as e:
-            self._fail("delete", f"{len(keys)} keys", e)
-            self.stats.add(errors=len(keys) - 1)
-            return
-        if failed:
-            self.stats.add(errors=len(failed))
-            self._warn.warn("s3 tier: %d deletes failed, first: %s", len(failed), failed[0])
 
     def _forget(self, hashes: Iterable[BlockHash]) -> int:
         """Drop blocks from this node's view (caller holds the lock); returns
@@ -257,20 +230,6 @@ class S3Tier(ByteBudget, Tier):
         self._used -= nbytes
         self.stats.add(blocks=-counted, used_bytes=-nbytes)
         return known
-
-    def quarantine(self, hashes: Iterable[BlockHash]) -> None:
-        """Copy objects that failed the store's checks to
-        ``<prefix>/quarantine/<hash>-<ns>`` (for inspection), then delete them."""
-        hashes = list(hashes)
-        for h in hashes:
-            if not self._usable():
-                break
-            try:
-                s3_io.copy_aside(self._client, self.bucket, self.key_of(h), f"{self.prefix}/quarantine/{h.hex()}")
-            except (BotoCoreError, ClientError) as e:
-                if error_code(e) not in MISSING:
-                    self._fail("quarantine", h.hex(), e)
-        self.delete_many(hashes)
 
     # -- reads ------------------------------------------------------------------
 
@@ -292,8 +251,16 @@ class S3Tier(ByteBudget, Tier):
                 return None
             with self._lock:
                 entry = self._index.get(h)  # a put landing while the GET is out replaces it
+                size = entry[0] if entry else self._foreign.get(h) or self._namespaces.get(ns, 0)
             try:
-                buf = read_body(self._client.get_object(Bucket=self.bucket, Key=self.key_of(h, ns)))
+                buf = read_body(self._reader.get_object(Bucket=self.bucket, Key=self.key_of(h, ns)), size)
+                if buf is None:  # not the size of its block's object: damaged, and not read (it may be GiBs)
+                    self._warn.warn("s3 tier: %s is not an object of %d bytes: quarantined", self.key_of(h, ns), size)
+                    with self._lock:
+                        self._learn(h, ns)
+                    self.stats.add(corrupt=1)
+                    self.quarantine([h])
+                    return None
             except (BotoCoreError, ClientError, OSError, urllib3.exceptions.HTTPError) as e:
                 if error_code(e) in MISSING:
                     with self._lock:  # deleted by another node, or not in this namespace; not a fresh upload
@@ -346,6 +313,7 @@ class S3Tier(ByteBudget, Tier):
             self._closed = True
         self._pool.shutdown(wait=True)
         self._client.close()
+        self._reader.close()
 
     # -- helpers ----------------------------------------------------------------
 
@@ -367,6 +335,8 @@ class S3Tier(ByteBudget, Tier):
         if not self._ready:
             with self._opening:  # once: the first request after an outage at open checks and lists
                 if not self._ready:
+                    if not self.available():  # the check just failed on another thread: not once per waiter
+                        return False
                     try:
                         self._ensure_bucket()
                     except (BotoCoreError, ClientError) as e:

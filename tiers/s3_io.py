@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 from boto3.s3.transfer import TransferConfig
+from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from tiers.types import BlockHash, ConfigError, TierUnavailableError
@@ -51,10 +52,13 @@ class Throttled:
 class Outage:
     """When an S3 that failed as if down is left alone: for `retry_after_s`
     after such a failure, doubled for each failure right after a pause, up
-    to 8x (so an outage costs callers misses, not waits)."""
+    to 8x (so an outage costs callers misses, not waits). `window_s`: the
+    longest a request can take to fail (its timeouts and retries), so one
+    sent as a pause ended and failing that much later still counts as "right
+    after" (an S3 that hangs would otherwise reset the pause every time)."""
 
-    def __init__(self, retry_after_s: float) -> None:
-        self.retry_after_s = retry_after_s
+    def __init__(self, retry_after_s: float, window_s: float = 0.0) -> None:
+        self.retry_after_s, self.window_s = retry_after_s, window_s
         self._down_until = 0.0
         self._pause = retry_after_s  # the current pause (doubles, up to 8x)
 
@@ -67,7 +71,7 @@ class Outage:
         now = time.monotonic()
         if now < self._down_until:  # another request of the same burst
             return
-        again = now - self._down_until < self._pause  # failed again right after the last pause
+        again = now - self._down_until < self._pause + self.window_s  # failed again right after the last pause
         self._pause = min(2 * self._pause, 8 * self.retry_after_s) if again else self.retry_after_s
         self._down_until = now + self._pause
 
@@ -82,9 +86,26 @@ def error_code(e: Exception) -> str:
 
 def looks_down(e: Exception) -> bool:
     """Whether a failure says S3 is unreachable or overloaded (transport
-    failure, 5xx, throttling) rather than wrong for one key."""
+    failure, an HTTP 5xx whatever its code says, throttling) rather than
+    wrong for one key."""
+    if not isinstance(e, ClientError):
+        return True
+    status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
     code = error_code(e)
-    return not isinstance(e, ClientError) or code.startswith("5") or code in ("SlowDown", "ServiceUnavailable")
+    return status.startswith("5") or status == "429" or code.startswith("5") or code in ("SlowDown", "ServiceUnavailable")
+
+
+def client(session, attempts: int, *, endpoint_url: str | None, access_key: str | None, secret_key: str | None,
+           region: str, addressing_style: str, connections: int, connect_timeout: float, read_timeout: float):
+    """A boto3 S3 client of `session` making up to `attempts` tries per request
+    (botocore's standard retries). Per-request checksums only when required:
+    objects carry their own, verified end to end."""
+    cfg = BotoConfig(region_name=region, s3={"addressing_style": addressing_style},
+                     connect_timeout=connect_timeout, read_timeout=read_timeout,
+                     retries={"mode": "standard", "total_max_attempts": attempts}, max_pool_connections=connections,
+                     request_checksum_calculation="when_required", response_checksum_validation="when_required")
+    return session.client("s3", endpoint_url=endpoint_url, aws_access_key_id=access_key,
+                          aws_secret_access_key=secret_key, config=cfg)
 
 
 def ensure_bucket(client, bucket: str) -> None:
@@ -165,10 +186,14 @@ def set_expiration(client, bucket: str, prefix: str, days: int) -> None:
         raise TierUnavailableError(f"s3 tier: cannot set lifecycle on {bucket}: {e}") from None
 
 
-def read_body(resp: dict) -> torch.Tensor:
+def read_body(resp: dict, expect: int = 0) -> torch.Tensor | None:
     """The response body read straight into a preallocated tensor; OSError if
-    the stream ends before Content-Length bytes."""
+    the stream ends before Content-Length bytes. None, without reading it,
+    when `expect` (bytes) is given and Content-Length is another size."""
     n = resp["ContentLength"]
+    if expect and n != expect:
+        resp["Body"].close()
+        return None
     buf = torch.empty(n, dtype=torch.uint8)
     view = memoryview(buf.numpy())
     body = resp["Body"]

@@ -68,6 +68,8 @@ class Backlog:
         ends and returns True (more to do: tick again after the next live
         batch), so an outage's backlog and the live stores behind it take turns."""
         done, journal = 0, self.state.journals[i]
+        if self.state.tiers[i].available():
+            self.state.tiers[i].tick()
         while done < most and self.state.tiers[i].available():
             if done and self.state.writers[i].depth():
                 return bool(self.state.deferred[i]) or bool(journal and len(journal))

@@ -54,7 +54,7 @@ class Placement:
         mark = self.state.deletes.mark() if since is None else since  # before any victim is read out
         with self.state.locks[i]:
             if queued:
-                items = self._live(items)
+                items = self.live(items)
             if since is not None:
                 items = self._undeleted(since, items)
             todo = [it for it, ok in zip(items, self._holds(i, [h for h, _ in items])) if not ok]
@@ -203,7 +203,8 @@ class Placement:
     def submit(self, i: int, items: Sequence[Item], wait: bool | None = None, since: int | None = None,
                entered: bool = False) -> None:
         """Queue items for writer i, in the in-flight map until they land (a
-        full queue waits or drops, per ``cfg.queue_full`` unless `wait` says;
+        full queue waits or drops, per ``cfg.queue_full`` unless `wait` says,
+        or, for a tier with an upload journal, hands them to the journal;
         items deleted since `since`, a delete log mark, are not queued;
         `entered`: the items are in the map already)."""
         st = self.state
@@ -216,10 +217,16 @@ class Placement:
             if entered:
                 self._release([it for it in items if it[0] in gone])
             items = [it for it in items if it[0] not in gone]
-        queued = st.writers[i].submit_many(items, wait)
+        journaled = st.journals[i] is not None
+        queued = st.writers[i].submit_many(items, wait and not journaled)
         if queued < len(items):
-            self._release(items[queued:])
-            st.count(i, dropped=len(items) - queued)
+            rest = items[queued:]
+            if journaled:  # the journal takes what the queue cannot: an S3 that hangs never stalls a store
+                mark = st.deletes.mark()
+                self.backlog.defer(i, self.live(rest), mark)
+            else:
+                st.count(i, dropped=len(rest))
+            self._release(rest)
 
     def _enter(self, items: Sequence[Item]) -> None:
         """Put queued writes in the in-flight map (caller holds ``meta``)."""
@@ -227,7 +234,7 @@ class Placement:
         for h, obj in items:
             st.inflight.setdefault(h, {}).setdefault(id(obj), [obj, 0])[1] += 1
 
-    def _live(self, items: Sequence[Item]) -> list[Item]:
+    def live(self, items: Sequence[Item]) -> list[Item]:
         """Those of a writer's items still in flight (not deleted since they were queued)."""
         inflight = self.state.inflight
         with self.state.meta:
@@ -248,6 +255,18 @@ class Placement:
                     if not writes:
                         del inflight[h]
 
+    def journal_unwritten(self) -> None:
+        """Writes a closing store gives up on, for a tier with an upload
+        journal, go into the journal (durable, written at the next open): a
+        store that acknowledged them loses none to an S3 that hangs."""
+        for i, (w, journal) in enumerate(zip(self.state.writers, self.state.journals)):
+            if journal is not None:
+                mark = self.state.deletes.mark()
+                items = self.live(w.unwritten())
+                kept = self.backlog.record(i, items, mark) if items else []
+                if kept:
+                    log.warning("close: %d blocks not yet written to %s kept in its journal", len(kept), w.name)
+
     def persist(self, i: int, batch: Sequence[Item]) -> None:
         """Writer-thread body for tier i: put a batch, demoting victims below
         (tier 0's writer carries promotions, which it counts); a block
@@ -257,7 +276,7 @@ class Placement:
             if i == 0:
                 self.state.count(0, promoted=len(held))
             if self.state.journals[i] is not None:  # landed, or deleted while queued: not to be retried
-                deleted = {h for h, _ in batch} - {h for h, _ in self._live(batch)}
+                deleted = {h for h, _ in batch} - {h for h, _ in self.live(batch)}
                 self.state.journals[i].forget(list(held | deleted))
         finally:
             self._release(batch)
@@ -313,7 +332,7 @@ class Placement:
         for i in range(1, len(tiers)):
             if not todo:
                 break
-            tiers[i].note_namespace(ns.fingerprint())
+            tiers[i].note_namespace(ns.fingerprint(), object_size(ns))
             objs = tiers[i].get_many(todo)
             hits += [(i, h, obj) for h, obj in zip(todo, objs) if obj is not None and _sound(obj, ns, h)]
             todo = [h for h, obj in zip(todo, objs) if obj is None]

@@ -194,7 +194,7 @@ class TieredStore:
         for i in range(first, end):
             if not remaining:
                 break
-            self.tiers[i].note_namespace(ns.fingerprint())  # lets S3 find blocks other nodes wrote
+            self.tiers[i].note_namespace(ns.fingerprint(), object_size(ns))  # S3 finds blocks other nodes wrote
             objs = self.tiers[i].get_many([hashes[j] for j in remaining])
             self._state.publish(i, self.tiers[i].take_gone(), present=False)  # stale directory entries
             missed = []
@@ -266,9 +266,8 @@ class TieredStore:
 
     def store_objects(self, ns: Namespace, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],
                       verify: bool = True, owned: bool = False) -> int:
-        """Store already-encoded objects (1-D uint8 CPU tensors): one copy into
-        the top tier. Returns as `store`. The objects must not change under
-        this call: copy out of memory another process writes first.
+        """Store already-encoded objects (1-D uint8 CPU tensors), copied once into the top tier; as
+        `store`. They must not change meanwhile: copy out of memory another process writes first.
 
         With `verify` (untrusted bytes) every header and payload checksum is
         checked first and a bad object raises CorruptBlockError, storing
@@ -344,7 +343,7 @@ class TieredStore:
                         later.pop(h, None)
             st.pins.forget(hashes)
             n = 0
-            for journal in filter(None, st.journals):  # not to be uploaded after all
+            for journal in (j for j in st.journals if j is not None):  # not to be uploaded after all
                 journal.forget(hashes)
             for i, tier in enumerate(self.tiers):
                 with st.locks[i]:
@@ -360,8 +359,7 @@ class TieredStore:
         return self._state.pins
 
     def prefetch(self, ns: Namespace, hashes: Sequence[BlockHash]) -> int:
-        """Copy those of `hashes` held only below into the top tier now, in
-        the background (a session about to resume); returns how many were queued."""
+        """Copy those of `hashes` held only below up into the top tier, in the background; how many were queued."""
         return self._placement.prefetch(ns, hashes)
 
     def stats(self) -> dict[str, dict[str, int]]:
@@ -384,11 +382,12 @@ class TieredStore:
         """Flush background writes (up to cfg.flush_timeout_s), then close tiers."""
         if not self.flush(self.cfg.flush_timeout_s):
             log.warning("close: background writes did not finish within %.0fs", self.cfg.flush_timeout_s)
+            self._placement.journal_unwritten()
         for w in self._state.writers:
             w.stop(1.0)
         for tier in self.tiers:
             tier.close()
-        for journal in filter(None, self._state.journals):
+        for journal in (j for j in self._state.journals if j is not None):  # an empty one too (len 0)
             journal.close()
         if self.directory is not None:
             self.directory.close()

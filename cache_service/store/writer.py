@@ -35,6 +35,7 @@ class TierWriter:
         self.name = name
         self._depth_limit = depth
         self._items: deque[Item] = deque()
+        self._current: list[Item] = []  # the batch being written
         self._unfinished = 0  # queued, or in the batch being written
         self._stopping = False
         self._cond = threading.Condition()
@@ -77,6 +78,17 @@ class TierWriter:
         with self._cond:
             return self._cond.wait_for(lambda: self._unfinished == 0, timeout)
 
+    def unwritten(self) -> list[Item]:
+        """Take what is still queued out of the queue (it will not be written
+        here), with the batch being written now (left to its write): a
+        closing store journals them."""
+        with self._cond:
+            queued = list(self._items)
+            self._items.clear()
+            self._unfinished -= len(queued)
+            self._cond.notify_all()
+            return self._current + queued
+
     def stop(self, timeout: float | None = None) -> None:
         self.flush(timeout)
         with self._cond:
@@ -89,13 +101,14 @@ class TierWriter:
             if not self._items and not self._stopping:
                 self._cond.wait(self._tick_s if self._tick else None)
             n = min(self._batch, len(self._items))
-            batch = [self._items.popleft() for _ in range(n)]
+            batch = self._current = [self._items.popleft() for _ in range(n)]
             if batch:
                 self._cond.notify_all()  # room for waiting submitters
             return batch, self._stopping and not self._items
 
     def _done(self, n: int) -> None:
         with self._cond:
+            self._current = []
             self._unfinished -= n
             self._cond.notify_all()
 

@@ -41,18 +41,18 @@ def test_a_miss_answered_after_a_put_of_the_block_landed_keeps_the_upload(make_t
     tier = make_tier()
     [h] = keys(1)
     tier.note_namespace(bytes(block(h)[8:24].tolist()))  # a namespace in use: an unknown block is looked for
-    real = tier._client.get_object
+    real = tier._reader.get_object
 
     def get_racing_a_put(**kw):
         # The GET is answered 404; before the answer is seen, a put of the same block lands.
-        tier._client.get_object = real
+        tier._reader.get_object = real
         try:
             return real(**kw)
         except ClientError:
             assert tier.put_many([h], [block(h)]) == [True]
             raise
 
-    tier._client.get_object = get_racing_a_put
+    tier._reader.get_object = get_racing_a_put
     assert tier.get_many([h]) == [None]
     # The miss was the GET's; the block written meanwhile is still known and counted.
     assert tier.contains_many([h]) == [True] and tier.stats.blocks == 1

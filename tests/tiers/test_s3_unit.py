@@ -182,7 +182,8 @@ def test_outage_is_misses_and_failed_writes_then_recovers(moto):
     tier = S3Tier(f"tkv-{uuid.uuid4().hex[:16]}", capacity_bytes=64 * MB, endpoint_url=moto.url,
                   access_key="k", secret_key="s", retries=0, retry_after_s=3.0)
     requests = []
-    tier._client.meta.events.register("before-send.s3", lambda **kw: requests.append(kw["request"].method))
+    for client in (tier._client, tier._reader):  # writes, and loads (one try each)
+        client.meta.events.register("before-send.s3", lambda **kw: requests.append(kw["request"].method))
     held, later = keys(2), keys(2)
     tier.put_many(held, [block(h) for h in held])
     moto.stop()
@@ -289,3 +290,27 @@ def test_store_from_config_writes_through_and_another_store_reads(moto, tmp_path
     # A section without a bucket is a configuration error that names the key.
     with pytest.raises(ConfigError, match="tiers.s3.bucket"):
         load_config(env={}, overrides={"tiers": {"s3": {"capacity": "1GiB"}}})
+
+
+def test_an_object_of_another_size_than_its_blocks_is_quarantined_unread(make_tier, moto, monkeypatch):
+    import tiers.s3_io as s3_io
+
+    tier = make_tier()
+    known, unknown = keys(2)
+    assert tier.put_many([known], [block(known)]) == [True]
+    # Two objects replaced in the bucket: a known block's by 8 MiB, an unknown one's (another node's) too.
+    raw = moto.client()
+    fp = bytes(block(known)[8:24].tolist()).hex()
+    raw.put_object(Bucket=make_tier.bucket, Key=tier.key_of(known), Body=b"\0" * (8 * MB))
+    raw.put_object(Bucket=make_tier.bucket, Key=f"tierkv/{fp}/{unknown.hex()[:2]}/{unknown.hex()}",
+                   Body=b"\0" * (8 * MB))
+    tier.note_namespace(bytes.fromhex(fp), 3000)  # the store loads blocks of this namespace: 3000-byte objects
+    allocated = []
+    real_empty = s3_io.torch.empty
+    monkeypatch.setattr(s3_io.torch, "empty", lambda n, **kw: (allocated.append(n), real_empty(n, **kw))[1])
+    # Both are misses, neither body is read into memory, and both are set aside for inspection.
+    assert tier.get_many([known, unknown]) == [None, None]
+    assert all(n < MB for n in allocated) and tier.stats.corrupt == 2
+    names = {o["Key"] for o in raw.list_objects_v2(Bucket=make_tier.bucket)["Contents"]}
+    assert all(any(n.startswith(f"tierkv/quarantine/{h.hex()}") for n in names) for h in (known, unknown))
+    assert tier.key_of(known) not in names

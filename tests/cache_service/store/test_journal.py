@@ -6,10 +6,13 @@ taken down, standing in for S3's availability; tests/reliability/test_journal.py
 runs the same story against a real S3 gateway and a SIGKILLed daemon.)"""
 from __future__ import annotations
 
+import threading
+
 import lmdb
 import torch
 
 from cache_service.blocks.objects import decode
+from cache_service.config import StoreConfig
 from cache_service.store.eviction import make_policy
 from cache_service.store.journal import UploadJournal
 from cache_service.store.tiered_store import TieredStore
@@ -20,14 +23,14 @@ MB = 1 << 20
 
 
 def open_pair(tmp_path, cpu_blocks: int = 64, mode: str = "through", journal_bytes: int = 8 * MB,
-              down: bool = False) -> tuple[TieredStore, FlakyDisk]:
+              down: bool = False, cfg: StoreConfig | None = None) -> tuple[TieredStore, FlakyDisk]:
     """A store cpu -> lower (journaled), the lower tier up or down from the start."""
     lower = FlakyDisk(tmp_path / "lower", 4096 * OBJ, fsync=False)
     lower.down = down
     journal = UploadJournal(tmp_path / "journal", journal_bytes, fsync=False)
     store = TieredStore([CpuTier(cpu_blocks * OBJ, OBJ), lower],
                         [make_policy("lru", cpu_blocks), make_policy("lru", 4096)], ["through", mode],
-                        journals={"disk": journal})
+                        cfg, journals={"disk": journal})
     return store, lower
 
 
@@ -150,4 +153,41 @@ def test_a_failing_journal_read_keeps_its_entries_for_the_next_tick(tmp_path):
     # Nothing is forgotten or counted lost for it: the next tick reads them and they land.
     assert until(lambda: in_lower(lower, hs)) and journal._env.failed
     assert store.stats()["disk"]["lost"] == 0 and len(journal) == 0
+    store.close()
+
+
+def test_writes_a_close_gives_up_on_are_kept_in_the_journal(tmp_path):
+    store, lower = open_pair(tmp_path, cfg=StoreConfig(flush_timeout_s=1.0, queue_depth=64))
+    # The lower tier hangs (an S3 that accepts connections and never answers) while it says it is up.
+    hung, real = threading.Event(), lower.put_many
+    lower.put_many = lambda hs, objs: (hung.wait(30), real(hs, objs))[1]
+    hs = hashes(60)
+    store.store(NS, hs, [payload_for(h) for h in hs])
+    # The store closes: its flush times out with the writes queued or under way, and they go into the journal.
+    store.close()
+    hung.set()
+    # A new store with the tier answering again writes every acknowledged block from the journal.
+    store, lower = open_pair(tmp_path)
+    assert until(lambda: store.stats()["disk"]["journal_blocks"] == 0)
+    assert in_lower(lower, hs)
+    store.close()
+
+
+def test_a_tier_that_hangs_never_stalls_a_store_its_journal_takes_the_overflow(tmp_path):
+    import time
+
+    store, lower = open_pair(tmp_path, cfg=StoreConfig(queue_depth=8))
+    hung, real = threading.Event(), lower.put_many
+    lower.put_many = lambda hs, objs: (hung.wait(30), real(hs, objs))[1]
+    # The lower tier hangs; stores go on, more than its queue holds, each answered at once.
+    hs = hashes(64)
+    for k in range(0, 64, 4):
+        t = time.monotonic()
+        store.store(NS, hs[k:k + 4], [payload_for(h) for h in hs[k:k + 4]])
+        assert time.monotonic() - t < 5
+    # What the queue could not take is in the journal; once the tier answers, every block lands.
+    assert store.stats()["disk"]["journal_blocks"] > 0
+    hung.set()
+    assert until(lambda: store.stats()["disk"]["journal_blocks"] == 0) and store.flush(20)
+    assert in_lower(lower, hs)
     store.close()

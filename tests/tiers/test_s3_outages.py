@@ -1,0 +1,107 @@
+"""The S3 tier through outages (moto's server, stopped and started; real
+RGW runs in tests/integration/test_s3_tier.py): what counts as S3 being
+down, how long it is left alone, deletes S3 did not take, and loads that
+try once."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from botocore.exceptions import ClientError
+
+import tiers.s3_io as s3_io
+from tests.tiers.test_s3_unit import MB, Moto, block, keys
+from tiers.s3 import S3Tier
+
+
+@pytest.fixture(scope="module")
+def moto():
+    server = Moto()
+    yield server
+    server.stop()
+
+
+def tier_on(moto, bucket: str, **kw) -> S3Tier:
+    kw = dict(endpoint_url=moto.url, access_key="k", secret_key="s", retries=0, retry_after_s=0.2) | kw
+    return S3Tier(bucket, capacity_bytes=64 * MB, **kw)
+
+
+def error(status: int, code: str) -> ClientError:
+    return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+
+def test_an_http_5xx_is_an_outage_whatever_its_error_code_says():
+    # S3 answers 500 with the code InternalError (as RGW and AWS do): down, like a 503 SlowDown or a 429.
+    assert s3_io.looks_down(error(500, "InternalError")) and s3_io.looks_down(error(503, "SlowDown"))
+    assert s3_io.looks_down(error(429, "TooManyRequests"))
+    # A 404 or a 403 is about the request, not the service.
+    assert not s3_io.looks_down(error(404, "NoSuchKey")) and not s3_io.looks_down(error(403, "AccessDenied"))
+
+
+def test_a_request_failing_a_whole_window_after_a_pause_ended_still_doubles_the_pause(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(s3_io.time, "monotonic", lambda: now[0])
+    outage = s3_io.Outage(retry_after_s=2.0, window_s=30.0)
+    # S3 hangs: the first request fails, and S3 is left alone for 2 s.
+    outage.trip()
+    assert not outage.over()
+    # The request sent as the pause ended fails only after its timeouts (30 s later): the pause doubles, not resets.
+    now[0] += 2.0 + 30.0
+    outage.trip()
+    now[0] += 2.0
+    assert not outage.over()
+    now[0] += 2.0
+    assert outage.over()
+
+
+def test_a_delete_s3_did_not_take_is_sent_once_it_answers(moto):
+    bucket = f"tkv-{uuid.uuid4().hex[:16]}"
+    tier = tier_on(moto, bucket)
+    hs = keys(4)
+    assert tier.put_many(hs, [block(h) for h in hs]) == [True] * 4
+    # S3 is down while the blocks are deleted: forgotten here at once, still in the bucket.
+    moto.stop()
+    try:
+        assert tier.delete_many(hs) == 4 and tier.contains_many(hs) == [False] * 4
+    finally:
+        moto.start()
+    # Once S3 answers, the store's writer tick sends the deletes: another node finds none of the blocks.
+    deadline = time.monotonic() + 20
+    while len(tier._undeleted) and time.monotonic() < deadline:
+        time.sleep(0.3)
+        tier.tick()
+    other = tier_on(moto, bucket)
+    other.note_namespace(bytes(block(hs[0])[8:24].tolist()))
+    assert other.get_many(hs) == [None] * 4
+    other.close()
+    tier.close()
+
+
+def test_a_block_stored_again_after_a_failed_delete_keeps_its_new_object(moto):
+    bucket = f"tkv-{uuid.uuid4().hex[:16]}"
+    tier = tier_on(moto, bucket)
+    [h] = keys(1)
+    assert tier.put_many([h], [block(h)]) == [True]
+    moto.stop()
+    try:
+        tier.delete_many([h])
+    finally:
+        moto.start()
+    # Stored again once S3 answers: the delete left over is not sent after it.
+    deadline = time.monotonic() + 20
+    while tier.put_many([h], [block(h)]) != [True] and time.monotonic() < deadline:
+        time.sleep(0.3)
+    tier.tick()
+    other = tier_on(moto, bucket)
+    assert other.contains_many([h]) == [True]
+    other.close()
+    tier.close()
+
+
+def test_loads_try_once_and_writes_retry(moto):
+    tier = tier_on(moto, f"tkv-{uuid.uuid4().hex[:16]}", retries=2)
+    # A load that fails is a miss the engine recomputes: waiting out retries of an S3 that hangs costs more.
+    assert tier._reader.meta.config.retries["total_max_attempts"] == 1
+    assert tier._client.meta.config.retries["total_max_attempts"] == 3
+    tier.close()
