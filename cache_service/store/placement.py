@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from cache_service.blocks.keys import Namespace
-from cache_service.blocks.objects import decode, intact
+from cache_service.blocks.objects import decode, intact, object_size
 from cache_service.store.backlog import Backlog
 from cache_service.store.state import StoreState
 from cache_service.store.writer import Item
