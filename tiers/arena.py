@@ -50,3 +50,12 @@ class Arena:
                 if need <= self.max_bytes and can_count_users():
                     self._buf = buf
             return buf[:need].view(n, size)
+
+    def release(self) -> None:
+        """Let the reusable allocation go (its last user frees it); the next batch starts a new one."""
+        with self._lock:
+            self._buf = None
+
+    @property
+    def holding(self) -> bool:
+        return self._buf is not None

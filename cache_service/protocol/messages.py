@@ -35,6 +35,21 @@ def invalid(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+MALFORMED = object()  # a request whose bytes did not parse (`lenient`)
+
+
+def lenient(request_type):
+    """A gRPC request deserializer giving MALFORMED for bytes that do not
+    parse, so the servicer refuses the call by status (INVALID_ARGUMENT,
+    counted), where gRPC answers INTERNAL and logs a traceback per call."""
+    def parse_or_mark(body: bytes):
+        try:
+            return request_type.FromString(body)
+        except Exception:  # protobuf's DecodeError
+            return MALFORMED
+    return parse_or_mark
+
+
 def parse(request_type, body: bytes, method: str):
     """A request parsed from its bytes; INVALID_ARGUMENT when they are malformed."""
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import shutil
 import socket
 import tempfile
@@ -32,6 +33,7 @@ from cache_service.protocol.ops import Op
 from tiers.arena import Arena
 
 log = logging.getLogger("tierkv.server")
+ARENA_IDLE_S = 1.0  # a connection quiet this long lets its buffers go (hundreds of idle ones held GiBs)
 Dispatch = Callable[["Connection", int, bytes, object], tuple[grpc.StatusCode, bytes, list]]
 
 
@@ -199,6 +201,8 @@ class FramedServer:
             peer = self._hello(state)
             while peer is not _REFUSED and not state.unread and not self._closing:
                 conn.settimeout(None)  # idle between calls as long as the client likes
+                if state.arena.holding and not select.select([conn], [], [], ARENA_IDLE_S)[0]:
+                    state.arena.release()  # an idle connection keeps no request-sized buffer
                 frame = receive(conn, body_s=CALL_TIMEOUT_S)
                 if frame is None:
                     break

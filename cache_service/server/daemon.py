@@ -21,6 +21,7 @@ reached the disk tier.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import logging
 import os
 import signal
@@ -35,6 +36,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cache_service.protocol.messages import lenient
 from cache_service.protocol.tls import server_credentials
 from cache_service.server.auth import AuthInterceptor, Authenticator
 from cache_service.config import Config, ServerConfig, default_cache_dir
@@ -136,6 +138,9 @@ class Daemon:
         fields = {"listen": self.address, "tls": bool(s.tls_cert), "auth": self.auth.enabled,
                   "metrics_port": self.metrics_port, "tiers": ",".join(t.name for t in self.store.tiers)}
         log.info("serving", extra={"fields": fields})
+        if not self.auth.enabled and not _loopback(s.listen.rpartition(":")[0]):
+            log.warning("serving on %s without auth: anyone who can reach it may read and write this cache "
+                        "(set server.token_file)", s.listen)
         return self
 
     def _open_data_path(self) -> DaemonSocketServer | None:
@@ -206,6 +211,15 @@ class Daemon:
                     log.info("reaped idle shared-memory segments", extra={"fields": {"count": n}})
 
 
+def _loopback(host: str) -> bool:
+    """Whether a listen host is this machine only."""
+    host = host.strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def tierkv_handlers(servicer: TierKVServicer) -> dict[str, grpc.RpcMethodHandler]:
     """The TierKV method handlers: the generated messages' (de)serializers,
     except on the streamed data path, whose messages the servicer frames and
@@ -217,10 +231,9 @@ def tierkv_handlers(servicer: TierKVServicer) -> dict[str, grpc.RpcMethodHandler
     for m in pb.DESCRIPTOR.services_by_name["TierKV"].methods:
         request, reply = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
         handlers[m.name] = kinds[m.client_streaming, m.server_streaming](
-            getattr(servicer, m.name), request_deserializer=request.FromString,
+            getattr(servicer, m.name), request_deserializer=lenient(request),
             response_serializer=reply.SerializeToString)
-    handlers["Load"] = grpc.unary_stream_rpc_method_handler(servicer.Load,
-                                                            request_deserializer=pb.LoadRequest.FromString)
+    handlers["Load"] = grpc.unary_stream_rpc_method_handler(servicer.Load, request_deserializer=lenient(pb.LoadRequest))
     handlers["Store"] = grpc.stream_unary_rpc_method_handler(servicer.Store, request_deserializer=StoreMessage,
                                                              response_serializer=pb.StoreReply.SerializeToString)
     return handlers

@@ -17,7 +17,7 @@ import time
 import grpc
 
 from cache_service.sessions.manifests import SessionError
-from cache_service.protocol.messages import RequestError, parse
+from cache_service.protocol.messages import MALFORMED, RequestError, invalid, parse
 from tiers.types import CapacityError, ConfigError, TierKVError, TierUnavailableError
 
 log = logging.getLogger("tierkv.server")
@@ -60,7 +60,7 @@ def rpc(fn):
             _track(self, +1)
             try:
                 tenant = self.auth.tenant_of(context.invocation_metadata())
-                yield from fn(self, request, context, tenant)
+                yield from fn(self, _parsed(request, method), context, tenant)
             except GeneratorExit:  # the client stopped reading: nothing to answer
                 code = grpc.StatusCode.CANCELLED
                 raise
@@ -77,11 +77,18 @@ def rpc(fn):
     @functools.wraps(fn)
     def unary(self, request, context):
         reply, code, msg = _guarded(self, method, lambda: self.auth.tenant_of(context.invocation_metadata()),
-                                    lambda tenant: fn(self, request, context, tenant))
+                                    lambda tenant: fn(self, _parsed(request, method), context, tenant))
         if code is not OK:
             context.abort(code, msg)
         return reply
     return unary
+
+
+def _parsed(request, method: str):
+    """The request, unless its bytes did not parse (`messages.lenient`)."""
+    if request is MALFORMED:
+        raise invalid(f"{method}: malformed request")
+    return request
 
 
 def call_as(servicer, method: str, request_type, body: bytes, tenant: str | None):

@@ -41,6 +41,9 @@ from proto import tierkv_pb2_grpc as pb_grpc
 from tiers.host_copy import copy_hashed
 from tiers.types import BlockHash, CorruptBlockError
 
+MIN_STORE_RATE = 1 << 20  # bytes/s: a Store stream slower than this is cut off (it holds one of few workers)
+
+
 class TierKVServicer(pb_grpc.TierKVServicer):
     """Implements tierkv.v1.TierKV; thread-safe (the store and the maps are)."""
 
@@ -153,11 +156,18 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         sent_ns, sent = ns_from_pb(first.head.ns), hashes_from_pb(first.head.hashes, self.s.max_blocks)
         reader, objs = ObjectReader(object_size(ns)), []
         reader.expect(len(keys))
+        # a worker is held while the bytes come: at a floor rate, not one message per idle period for ever
+        until = time.monotonic() + self.s.stream_idle_s + len(keys) * reader.size / MIN_STORE_RATE
         for msg in itertools.chain([first], rest):
             if msg.error:
                 raise invalid(f"malformed Store message: {msg.error}")
             if msg is not first and (msg.head.HasField("ns") or len(msg.head.hashes)):
                 raise invalid("ns and hashes belong in the first Store message only")
+            if msg is not first and not len(msg.data):  # each counted as progress: a worker held for nothing
+                raise invalid("a Store message after the first must carry object bytes")
+            if time.monotonic() > until:
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"Store sent {reader.received} bytes, slower than {MIN_STORE_RATE >> 20} MiB/s")
             try:
                 for obj in reader.feed(msg.data):
                     objs.append(admit(obj, sent_ns, sent[len(objs)], ns, keys[len(objs)]))

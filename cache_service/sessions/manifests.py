@@ -84,7 +84,9 @@ class Manifests(Protocol):
 
 def check_id(value: str, what: str = "session id") -> str:
     if not isinstance(value, str) or not _ID.match(value):
-        raise SessionError(f"{what} {value!r} must be 1-128 of [A-Za-z0-9._-], not starting with . or -")
+        shown = repr(value[:64]) + (f"... ({len(value)} characters)" if len(value) > 64 else "") \
+            if isinstance(value, str) else type(value).__name__  # not echoed whole: into logs and error replies
+        raise SessionError(f"{what} {shown} must be 1-128 of [A-Za-z0-9._-], not starting with . or -")
     return value
 
 

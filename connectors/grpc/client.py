@@ -26,6 +26,7 @@ argument or ``TIERKV_TOKEN``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import Sequence
@@ -76,7 +77,9 @@ class GrpcClient:
         try:
             self.timeout_s = float(timeout_s or q.get("timeout", 30.0))
         except ValueError:
-            raise TierKVError(f"cache URL {url!r}: timeout must be a number of seconds") from None
+            self.timeout_s = math.nan
+        if not 0 < self.timeout_s < 1e6:  # 0, negative, nan or inf: every call would fail (or raise) later
+            raise TierKVError(f"cache URL {url!r}: timeout must be a number of seconds, above 0 and below 1e6")
         self.errors = 0
         self.token = token or os.environ.get("TIERKV_TOKEN")
         self._md = (("authorization", f"Bearer {self.token}"),) if self.token else ()

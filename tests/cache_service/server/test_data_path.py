@@ -178,3 +178,19 @@ def test_a_client_follows_a_restarted_daemon_to_its_new_data_path_and_limits(tmp
         for d in (first, second):
             if d is not None:
                 d.stop(grace_s=0)
+
+
+def test_a_connection_that_goes_quiet_lets_its_buffers_go(start):
+    from cache_service.protocol import socket_server
+
+    d = start()
+    with GrpcClient(url(d, "stream")) as c:
+        # A batch stored over the data path: its connection keeps the request-sized buffer for the next call.
+        assert put(c, hashes(16)) == 16
+        conns = [st for _, st in d.data_path_server._conns.values()]
+        assert conns and any(st.arena.holding for st in conns)
+        # Quiet a little longer than the server waits: no buffer is held by an idle connection.
+        time.sleep(socket_server.ARENA_IDLE_S + 1.0)
+        assert not any(st.arena.holding for st in conns)
+        # The next call works as before.
+        assert intact(c, hashes(16))

@@ -77,3 +77,29 @@ def test_a_load_whose_client_stops_reading_is_cancelled(tmp_path):
         replies.cancel()
     finally:
         d.stop(grace_s=0)
+
+
+def store_code(d: Daemon, messages) -> Code:
+    try:
+        raw(d).Store(messages, timeout=30)
+        return Code.OK
+    except grpc.RpcError as e:
+        return e.code()
+
+
+def test_a_store_stream_that_only_keeps_itself_alive_is_cut_off(start):
+    import time
+
+    d = start(workers=2, stream_idle_s=1.0)
+    head = pb.StoreChunk(ns=ns_to_pb(NS), hashes=hashes(2), data=b"")
+    # Empty messages after the first (each counted as progress) are refused at once.
+    assert store_code(d, iter([head, pb.StoreChunk(), pb.StoreChunk()])) == Code.INVALID_ARGUMENT
+
+    def trickle():  # a byte every half idle period: never idle, never done
+        yield head
+        for _ in range(60):
+            time.sleep(0.5)
+            yield pb.StoreChunk(data=b"x")
+    # Bytes slower than the floor rate: cut off within a few idle periods, not held for the stream's life.
+    t = time.monotonic()
+    assert store_code(d, trickle()) == Code.DEADLINE_EXCEEDED and time.monotonic() - t < 10
