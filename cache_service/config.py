@@ -4,8 +4,7 @@ Built once at the entry point (CLI, daemon, ``connect(url)``); nothing below
 reads an untyped dict. Example ``tierkv.toml``::
 
     [store]
-    queue_depth = 1024          # per lower tier
-    queue_full = "wait"         # or "skip"
+    queue_depth = 1024          # per lower tier; when full, queue_full = "wait" (or "skip")
     promote_after_hits = 2      # local lower-tier hits before a block is copied up (S3: the first; 0: never)
     tenant_pin_bytes = "4GiB"   # a tenant's session pins at most, and its block pins; past it its oldest yield
 
@@ -25,6 +24,7 @@ reads an untyped dict. Example ``tierkv.toml``::
 
     [server]                    # `tierkv serve` only; its flags override these
     listen = "0.0.0.0:7600"
+    token_file = "/etc/tierkv/tokens"   # "<token> <tenant>" per line; without one, no auth at all
     metrics_port = 9600         # or "off" (the default)
     data_port = "off"           # the TCP data path; default 0: any free port
 
@@ -47,8 +47,8 @@ from tiers.cache_root import default_cache_dir
 from tiers.types import ConfigError
 
 TIER_ORDER = ("hbm", "cpu", "disk", "s3")
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 MiB = 1 << 20
 
 
@@ -133,8 +133,7 @@ class DiskConfig(TierConfig):
 
 @dataclass(slots=True)
 class S3Config(TierConfig):
-    """S3 (or any S3-compatible endpoint). Empty endpoint = AWS; empty keys =
-    boto3's credential chain (AWS_* env, profile, instance role)."""
+    """S3 (or compatible). Empty endpoint: AWS; empty keys: boto3's credential chain (AWS_* env, profile, role)."""
 
     bucket: str = ""
     prefix: str = "tierkv"
@@ -266,6 +265,7 @@ class ServerConfig:
     max_concurrent_rpcs: int = 256
     grace_s: float = 10.0  # SIGTERM: in-flight calls get this long to finish
     stream_idle_s: float = 30.0  # a Store/Load stream making no progress this long is cancelled (stalls.py)
+    max_sessions: int = 10_000  # session manifests per tenant (cache_service/sessions/quota.py)
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -281,7 +281,7 @@ class ServerConfig:
         if self.grace_s < 0:
             raise ConfigError(f"grace_s must not be negative, got {self.grace_s}")
         for name in ("max_message_bytes", "chunk_bytes", "max_request_bytes", "max_blocks", "load_batch_bytes",
-                     "workers", "max_concurrent_rpcs", "stream_idle_s"):
+                     "workers", "max_concurrent_rpcs", "stream_idle_s", "max_sessions"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.chunk_bytes + 64 * 1024 > self.max_message_bytes:

@@ -31,6 +31,7 @@ from cache_service.blocks.objects import HEADER_SIZE, adopt, object_size
 from cache_service.server.rpc import rpc
 from cache_service.server.stalls import StallGuard
 from cache_service.sessions.manifests import SessionManager, check_id
+from cache_service.sessions.quota import SessionQuota
 from cache_service.protocol.segment import DATA_OFFSET, host_id
 from cache_service.server.attachments import Attachments
 from cache_service.store.tiered_store import TieredStore
@@ -51,6 +52,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
                  attachments: Attachments, sessions: SessionManager) -> None:
         self.store, self.s, self.auth, self.metrics = store, settings, auth, metrics
         self.attachments, self.sessions = attachments, sessions
+        self.quota = SessionQuota(sessions.list, settings.max_sessions)  # manifests per tenant
         self.host_id = host_id()
         self.started = time.monotonic()
         self.in_flight = 0  # RPCs being handled (rpc.py counts them); a drain waits for these
@@ -268,6 +270,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     def SaveSession(self, request, context, tenant):
         s = session_from_pb(request.session)
         s.tenant = self.auth.resolve(tenant, s.tenant)
+        self.quota.admit(s.tenant, s.session_id)
         ns = self._session_ns(request, tenant) if request.pin else None
         self._in_session(self.sessions.save, s, ns, key_tenant=tenant, pin=request.pin,
                          pin_ttl_s=request.pin_ttl_s if request.pin_ttl_s > 0 else None)
@@ -290,6 +293,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     def DeleteSession(self, request, context, tenant):
         owner = self.auth.resolve(tenant, request.tenant)
         deleted = self._in_session(self.sessions.delete, owner, request.session_id)
+        self.quota.forget(owner, request.session_id)
         return pb.DeleteSessionReply(deleted=deleted)
 
 

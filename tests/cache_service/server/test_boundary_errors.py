@@ -78,3 +78,21 @@ def test_serving_beyond_this_machine_without_auth_is_warned_about(start, caplog)
         assert not any("without auth" in r.getMessage() for r in caplog.records)
         start(listen="0.0.0.0:0")
     assert any("without auth" in r.getMessage() for r in caplog.records)
+
+
+def test_a_tenant_keeps_at_most_max_sessions_manifests(start):
+    d = start(max_sessions=3)
+    stub = raw(d)
+
+    def save(sid: str):
+        return stub.SaveSession(pb.SaveSessionRequest(session=pb.Session(session_id=sid, messages_json="[]")))
+    # Three sessions are saved; a fourth new one is refused, while the three can still be rewritten.
+    for sid in ("a", "b", "c"):
+        save(sid)
+    code, why = code_of(lambda: save("d"))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sessions" in why
+    save("a")
+    # Once one is deleted, a new one fits again.
+    stub.DeleteSession(pb.DeleteSessionRequest(session_id="b"))
+    save("d")
+    assert sorted(stub.ListSessions(pb.ListSessionsRequest()).session_ids) == ["a", "c", "d"]
