@@ -15,6 +15,7 @@ from typing import Any
 
 from cache_service.config import ServerConfig, load_config
 from cache_service.server.metrics import StructuredFormatter
+from tiers.types import ConfigError
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -71,5 +72,5 @@ def _data_port(value: str) -> int | None:
     if value == "off":
         return None
     if not value.isdigit() or int(value) > 65535:
-        raise SystemExit(f"--data-port must be a port number or 'off', got {value!r}")
+        raise ConfigError(f"--data-port must be a port number or 'off', got {value!r}")
     return int(value)

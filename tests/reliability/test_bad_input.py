@@ -108,12 +108,13 @@ def test_bad_serve_arguments_fail_clearly_and_lose_nothing(tmp_path, daemons):
     cfg = ("--config", str(tmp_path / "good.toml"))
     cases += [("bad listen", (*cfg, "--listen", "nowhere")), ("bad workers", (*cfg, "--workers", "0")),
               ("missing token file", (*cfg, "--token-file", str(tmp_path / "none.txt"))),
-              ("tls half", (*cfg, "--tls-cert", str(tmp_path / "c.pem"))), ("bad flag", (*cfg, "--frobnicate"))]
+              ("tls half", (*cfg, "--tls-cert", str(tmp_path / "c.pem"))), ("bad flag", (*cfg, "--frobnicate")),
+              ("bad data port", (*cfg, "--data-port", "x")), ("data port too high", (*cfg, "--data-port", "70000"))]
     # each: exit code 2, a last line that says what is wrong, no traceback
     for name, args in cases:
         done = serve(*args)
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
-        assert done.returncode == 2 and "error" in last and "Traceback" not in done.stderr, (name, done.stderr)
+        assert done.returncode == 2 and "error:" in last and "Traceback" not in done.stderr, (name, done.stderr)
     # a second daemon on a directory in use is refused; the running one keeps serving
     d = daemons(good, name="owner").start()
     clash = serve(*cfg, "--listen", "127.0.0.1:0")
