@@ -97,25 +97,34 @@ class FreeSlots:
         error met; the slot of one not written is free again."""
         sizes = [o.numel() for o in objs]
         slots, holes = self._take(sizes)
-        unfilled, err = set(), None
-        for c, hs in holes.items():
-            failed, err = segments.fill(c, hs)
-            unfilled |= failed
-        todo = [i for i, s in enumerate(slots) if s not in unfilled] if unfilled else range(len(slots))
-        sums = [None] * len(slots)
-        if todo:
-            at = list(todo)
+        unfilled, err = self._fill(segments, holes)
+        at = [i for i, (n, s) in enumerate(zip(sizes, slots)) if (slot_size(n), s) not in unfilled]
+        sums: list[int | None] = [None] * len(slots)
+        files: set[tuple[int, int]] = set()
+        if at:
             got, files, err2 = segments.write_many([hashes[i] for i in at], [objs[i] for i in at],
                                                    [slots[i] for i in at], durable)
             for i, csum in zip(at, got):
                 sums[i] = csum
             err = err or err2
-        else:
-            files = set()
         for n, s, csum in zip(sizes, slots, sums):
-            if csum is None:
+            if csum is None and (slot_size(n), s) not in unfilled:
                 self.give(n, s)
         return [(h, n, c, s) for h, n, s, c in zip(hashes, sizes, slots, sums) if c is not None], files, err
+
+    def _fill(self, segments: Segments, holes: dict[int, list[int]]) -> tuple[set[tuple[int, int]], OSError | None]:
+        """Allocate the holes handed out; those that could not be (a full disk)
+        are holes again: (slot size, slot) of each, and the first error."""
+        unfilled: set[tuple[int, int]] = set()
+        err = None
+        for c, hs in holes.items():
+            failed, e = segments.fill(c, hs)
+            err = err or e
+            if failed:
+                unfilled |= {(c, s) for s in failed}
+                with self._lock:
+                    self._holes.setdefault(c, array("Q")).extend(sorted(failed, reverse=True))
+        return unfilled, err
 
     def give(self, size: int, s: int) -> None:
         """Slot `s` (of an object of `size` bytes) is free again."""

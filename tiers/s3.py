@@ -77,7 +77,7 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
                  connect_timeout, read_timeout, retries, capacity_bytes)
         super().__init__(capacity_bytes)
         self.bucket, self.prefix = bucket, prefix
-        self._outage = Outage(retry_after_s, (retries + 1) * (connect_timeout + read_timeout))
+        self._outage = Outage(retry_after_s)
 
         session = boto3.session.Session()  # one per tier: boto3's default session is not safe to share across threads
         settings = dict(endpoint_url=endpoint_url, access_key=access_key, secret_key=secret_key, region=region,
@@ -153,6 +153,7 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
 
     def _ensure_bucket(self) -> None:
         s3_io.ensure_bucket(self._client, self.bucket)
+        self._outage.answered()
         self._ready = True
 
     def _learn(self, h: BlockHash, ns: str) -> None:
@@ -211,6 +212,7 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
         self._undeleted.discard(key)  # stored again: its earlier delete is not to be sent
         try:
             s3_io.upload(self._client, self.bucket, key, obj.cpu().numpy().tobytes(), self._transfer)
+            self._outage.answered()
             return True
         except (BotoCoreError, ClientError) as e:
             self._fail("put", h.hex(), e)
@@ -263,12 +265,14 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
                     return None
             except (BotoCoreError, ClientError, OSError, urllib3.exceptions.HTTPError) as e:
                 if error_code(e) in MISSING:
+                    self._outage.answered()
                     with self._lock:  # deleted by another node, or not in this namespace; not a fresh upload
                         if self._ns.get(h) == ns and self._index.get(h) is entry:
                             self._forget([h])
                     continue
-                self._fail("get", h.hex(), e)
+                self._fail("get", h.hex(), e, trip=not s3_io.transient(e))  # one reset: this load misses
                 return None
+            self._outage.answered()
             with self._lock:
                 e = self._index.get(h)
                 if e is not None:
@@ -345,11 +349,11 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
                     self._index_listing()
         return True
 
-    def _fail(self, op: str, what: str, e: Exception) -> None:
+    def _fail(self, op: str, what: str, e: Exception, trip: bool = True) -> None:
         """Count and log a failed request; leave S3 alone for a while if it
         looks down (transport failure or 5xx) rather than wrong for one key."""
         self.stats.add(errors=1)
-        if looks_down(e):
+        if trip and looks_down(e):
             self._outage.trip()
         self._warn.warn("s3 tier: %s %s failed: %s", op, what, e)
 

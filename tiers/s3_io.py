@@ -16,9 +16,10 @@ import time
 from typing import Iterator
 
 import torch
+import urllib3
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config as BotoConfig
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, ConnectionClosedError
 
 from tiers.types import BlockHash, ConfigError, TierUnavailableError
 
@@ -51,16 +52,20 @@ class Throttled:
 
 class Outage:
     """When an S3 that failed as if down is left alone: for `retry_after_s`
-    after such a failure, doubled for each failure right after a pause, up
-    to 8x (so an outage costs callers misses, not waits). `window_s`: the
-    longest a request can take to fail (its timeouts and retries), so one
-    sent as a pause ended and failing that much later still counts as "right
-    after" (an S3 that hangs would otherwise reset the pause every time)."""
+    after such a failure, doubled (up to 8x) when S3 answered nothing since
+    the last pause began, so an outage costs callers misses, not waits. An
+    S3 that hangs answers nothing however long each request takes to fail;
+    failures between answers start over at `retry_after_s`."""
 
-    def __init__(self, retry_after_s: float, window_s: float = 0.0) -> None:
-        self.retry_after_s, self.window_s = retry_after_s, window_s
+    def __init__(self, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
         self._down_until = 0.0
         self._pause = retry_after_s  # the current pause (doubles, up to 8x)
+        self._answered = True  # S3 answered a request since the last pause began
+
+    def answered(self) -> None:
+        """A request got an answer from S3 (a 404 counts)."""
+        self._answered = True
 
     def over(self) -> bool:
         """False while S3 is being left alone."""
@@ -71,9 +76,9 @@ class Outage:
         now = time.monotonic()
         if now < self._down_until:  # another request of the same burst
             return
-        again = now - self._down_until < self._pause + self.window_s  # failed again right after the last pause
+        again = not self._answered
         self._pause = min(2 * self._pause, 8 * self.retry_after_s) if again else self.retry_after_s
-        self._down_until = now + self._pause
+        self._down_until, self._answered = now + self._pause, False
 
 
 def error_code(e: Exception) -> str:
@@ -82,6 +87,12 @@ def error_code(e: Exception) -> str:
         err = e.response.get("Error", {})
         return str(err.get("Code") or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
     return ""
+
+
+def transient(e: Exception) -> bool:
+    """A connection dropped in the middle of one request: one load's miss,
+    not an outage (refused connections and timeouts are)."""
+    return isinstance(e, (ConnectionClosedError, urllib3.exceptions.ProtocolError)) or type(e) is OSError
 
 
 def looks_down(e: Exception) -> bool:

@@ -201,7 +201,7 @@ class FramedServer:
             peer = self._hello(state)
             while peer is not _REFUSED and not state.unread and not self._closing:
                 conn.settimeout(None)  # idle between calls as long as the client likes
-                if state.arena.holding and not select.select([conn], [], [], ARENA_IDLE_S)[0]:
+                if state.arena.holding and not _readable(conn, ARENA_IDLE_S):
                     state.arena.release()  # an idle connection keeps no request-sized buffer
                 frame = receive(conn, body_s=CALL_TIMEOUT_S)
                 if frame is None:
@@ -285,3 +285,11 @@ class FramedServer:
 
 _REFUSED = object()  # a peer whose HELLO was refused
 _GREETING = object()  # a connection whose HELLO has not come yet
+
+
+def _readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether `sock` has bytes (or its end) within `timeout_s`; poll, not
+    select, which refuses descriptors past 1024."""
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return bool(p.poll(timeout_s * 1000))

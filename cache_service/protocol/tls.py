@@ -20,8 +20,10 @@ def _read(path: str, what: str) -> bytes:
 def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grpc.ServerCredentials:
     """TLS credentials for the daemon; with `client_ca`, clients must present certificates."""
     ca = _read(client_ca, "TLS client CA") if client_ca else None
+    if b"ENCRYPTED" in _read(key, "TLS key"):  # gRPC cannot use it; OpenSSL would ask for its passphrase
+        raise ConfigError(f"TLS key {key} is encrypted (passphrase-protected): give the key unencrypted")
     try:  # grpc says only "failed to bind" for a key that is not the certificate's
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key, password=lambda: b"")
     except ssl.SSLError as e:
         raise ConfigError(f"TLS certificate {cert} and key {key} do not go together ({e.reason or e})") from None
     except OSError as e:

@@ -28,6 +28,7 @@ from tiers.base import Tier
 from tiers.types import BlockHash, CapacityError, CorruptBlockError
 
 log = logging.getLogger("tierkv.store")
+STUCK_S = 5.0  # a writer on one batch this long is stuck: stores stop waiting for it (a journal takes theirs)
 _MAX_BELOW_HITS = 1 << 16  # blocks whose lower-tier hits are remembered (oldest forgotten first)
 
 
@@ -203,8 +204,9 @@ class Placement:
     def submit(self, i: int, items: Sequence[Item], wait: bool | None = None, since: int | None = None,
                entered: bool = False) -> None:
         """Queue items for writer i, in the in-flight map until they land (a
-        full queue waits or drops, per ``cfg.queue_full`` unless `wait` says,
-        or, for a tier with an upload journal, hands them to the journal;
+        full queue waits or drops, per ``cfg.queue_full`` unless `wait` says;
+        a wait on a tier with an upload journal ends once its writer has been
+        on one batch for STUCK_S, and the journal takes the rest;
         items deleted since `since`, a delete log mark, are not queued;
         `entered`: the items are in the map already)."""
         st = self.state
@@ -217,11 +219,11 @@ class Placement:
             if entered:
                 self._release([it for it in items if it[0] in gone])
             items = [it for it in items if it[0] not in gone]
-        journaled = st.journals[i] is not None
-        queued = st.writers[i].submit_many(items, wait and not journaled)
+        journaled = wait and st.journals[i] is not None
+        queued = st.writers[i].submit_many(items, wait, STUCK_S if journaled else None)
         if queued < len(items):
             rest = items[queued:]
-            if journaled:  # the journal takes what the queue cannot: an S3 that hangs never stalls a store
+            if journaled:  # the writer is stuck (an S3 that hangs): the journal takes the rest, the store goes on
                 mark = st.deletes.mark()
                 self.backlog.defer(i, self.live(rest), mark)
             else:

@@ -153,11 +153,15 @@ class SharedSlots:
     def _write_through(self, pool: SlotTier, ns: Namespace, through: list[int], keys: list[BlockHash],
                        held: list) -> None:
         """Queue the new blocks for the write-through tiers as copies of their
-        slots, checked as they are copied (one pass). Not views: the client
-        can still write its slots, the tiers below keep what they are given,
-        and a slot written after a check would reach the disk as a sound block
-        (a load from the pool checks its payload; one from the disk would not)."""
-        entries = [(k, e) for k, e in zip(keys, held) if e is not None]
+        slots, checked as they are copied (one pass), of those some tier below
+        does not hold yet. Not views: the client can still write its slots, the
+        tiers below keep what they are given, and a slot written after a check
+        would reach the disk as a sound block (a load from the pool checks its
+        payload; one from the disk would not)."""
+        needed = {i: [k for k in keys if not self.placement.below_has(i, k)] for i in through}
+        wanted = set().union(*needed.values())
+        entries = [(k, e) for k, e in zip(keys, held) if e is not None and k in wanted]
+        pool.let_go([e for k, e in zip(keys, held) if e is not None and k not in wanted])
         if not entries:
             return
         try:
@@ -169,9 +173,9 @@ class SharedSlots:
         bad = [k for (k, _), ok in zip(entries, sound) if ok is None]
         if bad:
             self.placement.quarantine(0, bad)
-        items = [(k, obj) for (k, _), obj, ok in zip(entries, copies.unbind(0), sound) if ok is not None]
-        for i in through:
-            self.placement.submit(i, [it for it in items if not self.placement.below_has(i, it[0])])
+        items = {k: obj for (k, _), obj, ok in zip(entries, copies.unbind(0), sound) if ok is not None}
+        for i, ks in needed.items():
+            self.placement.submit(i, [(k, items[k]) for k in ks if k in items])
 
     def spare_limit(self, ns: Namespace) -> int:
         """How many spare slots (`reserve_spare`) one client may hold: 1/16 of the shared top tier."""

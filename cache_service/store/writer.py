@@ -36,6 +36,7 @@ class TierWriter:
         self._depth_limit = depth
         self._items: deque[Item] = deque()
         self._current: list[Item] = []  # the batch being written
+        self._since = 0.0  # when its write began
         self._unfinished = 0  # queued, or in the batch being written
         self._stopping = False
         self._cond = threading.Condition()
@@ -50,17 +51,20 @@ class TierWriter:
         """Queue one object; False when the queue is full and `wait` is False."""
         return self.submit_many([item], wait) == 1
 
-    def submit_many(self, items: Sequence[Item], wait: bool) -> int:
+    def submit_many(self, items: Sequence[Item], wait: bool, stuck_s: float | None = None) -> int:
         """Queue objects in order; how many were queued: all of them when
-        `wait` (waiting for room as the writer drains), else those that fit."""
+        `wait` (waiting for room as the writer drains), else those that fit;
+        with `stuck_s`, the wait ends once the writer has been on one batch
+        that long (a tier that hangs)."""
         done = 0
         with self._cond:
             while done < len(items):
                 room = self._depth_limit - len(self._items)
                 if room <= 0:
-                    if not wait:
+                    left = None if stuck_s is None or not self._current else self._since + stuck_s - time.monotonic()
+                    if not wait or (left is not None and left <= 0):
                         break
-                    self._cond.wait()
+                    self._cond.wait(left)
                     continue
                 take = items[done:done + room]
                 self._items.extend(take)
@@ -102,6 +106,7 @@ class TierWriter:
                 self._cond.wait(self._tick_s if self._tick else None)
             n = min(self._batch, len(self._items))
             batch = self._current = [self._items.popleft() for _ in range(n)]
+            self._since = time.monotonic()
             if batch:
                 self._cond.notify_all()  # room for waiting submitters
             return batch, self._stopping and not self._items

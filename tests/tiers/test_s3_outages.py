@@ -39,20 +39,56 @@ def test_an_http_5xx_is_an_outage_whatever_its_error_code_says():
     assert not s3_io.looks_down(error(404, "NoSuchKey")) and not s3_io.looks_down(error(403, "AccessDenied"))
 
 
-def test_a_request_failing_a_whole_window_after_a_pause_ended_still_doubles_the_pause(monkeypatch):
+def test_the_pause_doubles_while_s3_answers_nothing_and_starts_over_after_an_answer(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(s3_io.time, "monotonic", lambda: now[0])
-    outage = s3_io.Outage(retry_after_s=2.0, window_s=30.0)
+    outage = s3_io.Outage(retry_after_s=2.0)
     # S3 hangs: the first request fails, and S3 is left alone for 2 s.
     outage.trip()
     assert not outage.over()
-    # The request sent as the pause ended fails only after its timeouts (30 s later): the pause doubles, not resets.
+    # The request sent as the pause ended fails only after its timeouts (30 s later), S3 having answered
+    # nothing meanwhile: the pause doubles, not resets.
     now[0] += 2.0 + 30.0
     outage.trip()
     now[0] += 2.0
     assert not outage.over()
     now[0] += 2.0
     assert outage.over()
+    # S3 answers again; a failure a while later is a new outage: 2 s.
+    outage.answered()
+    now[0] += 30.0
+    outage.trip()
+    now[0] += 2.01
+    assert outage.over()
+
+
+def test_one_connection_reset_on_a_load_is_that_loads_miss_not_an_outage(moto):
+    from botocore.exceptions import ConnectionClosedError
+
+    tier = tier_on(moto, f"tkv-{uuid.uuid4().hex[:16]}", retry_after_s=30.0)
+    a, b = keys(2)
+    assert tier.put_many([a], [block(a)]) == [True]
+    real = tier._reader.get_object
+
+    def reset_once(**kw):
+        tier._reader.get_object = real
+        raise ConnectionClosedError(endpoint_url=moto.url)
+    tier._reader.get_object = reset_once
+    # The load whose connection was reset misses; S3 is not left alone for it: the next load and put go through.
+    assert tier.get_many([a]) == [None] and tier.available()
+    assert tier.get_many([a])[0] is not None and tier.put_many([b], [block(b)]) == [True]
+    tier.close()
+
+
+def test_deletes_sent_again_go_a_few_batches_per_tick(moto):
+    tier = tier_on(moto, f"tkv-{uuid.uuid4().hex[:16]}")
+    tier._undeleted.add(f"tierkv/x/{i:08d}" for i in range(10_000))
+    # One tick sends a few batches and leaves the rest to the next ones: the writer's uploads are not held up.
+    tier.tick()
+    assert len(tier._undeleted) == 10_000 - 4 * s3_io.DELETE_BATCH
+    while len(tier._undeleted):
+        tier.tick()
+    tier.close()
 
 
 def test_a_delete_s3_did_not_take_is_sent_once_it_answers(moto):

@@ -96,3 +96,14 @@ def test_a_tenant_keeps_at_most_max_sessions_manifests(start):
     stub.DeleteSession(pb.DeleteSessionRequest(session_id="b"))
     save("d")
     assert sorted(stub.ListSessions(pb.ListSessionsRequest()).session_ids) == ["a", "c", "d"]
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None and os.environ.get("CI") != "true",
+                    reason="needs openssl to make a certificate (under CI its absence fails)")
+def test_an_encrypted_tls_key_is_refused_without_asking_for_a_passphrase(start, tmp_path):
+    cert, key = tmp_path / "c.pem", tmp_path / "c.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-passout", "pass:secret", "-days", "1",
+                    "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    # OpenSSL would ask for the passphrase on the terminal (a daemon start blocked there): a clear error instead.
+    with pytest.raises(ConfigError, match="encrypted"):
+        start(listen="localhost:0", tls_cert=str(cert), tls_key=str(key))

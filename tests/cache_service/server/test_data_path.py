@@ -194,3 +194,25 @@ def test_a_connection_that_goes_quiet_lets_its_buffers_go(start):
         assert not any(st.arena.holding for st in conns)
         # The next call works as before.
         assert intact(c, hashes(16))
+
+
+def test_connections_on_descriptors_past_1024_keep_serving(start):
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    filler = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]  # a daemon with many files open
+    try:
+        d = start()
+        with GrpcClient(url(d, "stream")) as c:
+            # The connection's descriptor lies past 1024; its first call fills the buffer, the next waits for it.
+            assert put(c, hashes(16)) == 16
+            assert all(st.sock.fileno() >= 1024 for _, st in d.data_path_server._conns.values())
+            calls = d.data_path_server.calls
+            # Its second call is answered over the same path (select() refused such descriptors: a miss).
+            assert intact(c, hashes(16)) and d.data_path_server.calls == calls + 1
+    finally:
+        for f in filler:
+            os.close(f)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -173,21 +173,37 @@ def test_writes_a_close_gives_up_on_are_kept_in_the_journal(tmp_path):
     store.close()
 
 
-def test_a_tier_that_hangs_never_stalls_a_store_its_journal_takes_the_overflow(tmp_path):
+def test_a_tier_that_hangs_never_stalls_a_store_its_journal_takes_the_overflow(tmp_path, monkeypatch):
     import time
 
+    import cache_service.store.placement as placement
+
+    monkeypatch.setattr(placement, "STUCK_S", 0.5)
     store, lower = open_pair(tmp_path, cfg=StoreConfig(queue_depth=8))
     hung, real = threading.Event(), lower.put_many
     lower.put_many = lambda hs, objs: (hung.wait(30), real(hs, objs))[1]
-    # The lower tier hangs; stores go on, more than its queue holds, each answered at once.
+    # The lower tier hangs; stores go on, more than its queue holds: once its writer is stuck, none waits.
     hs = hashes(64)
+    t = time.monotonic()
     for k in range(0, 64, 4):
-        t = time.monotonic()
         store.store(NS, hs[k:k + 4], [payload_for(h) for h in hs[k:k + 4]])
-        assert time.monotonic() - t < 5
+    assert time.monotonic() - t < 5
     # What the queue could not take is in the journal; once the tier answers, every block lands.
     assert store.stats()["disk"]["journal_blocks"] > 0
     hung.set()
     assert until(lambda: store.stats()["disk"]["journal_blocks"] == 0) and store.flush(20)
     assert in_lower(lower, hs)
+    store.close()
+
+
+def test_a_slow_tier_with_a_journal_is_waited_for_and_loses_nothing(tmp_path):
+    # A lower tier that is up but slow (20 ms a batch), a short queue and a journal far too small for the stores.
+    store, lower = open_pair(tmp_path, journal_bytes=1 << 20, cfg=StoreConfig(queue_depth=8))
+    lower.delay, lower.writing = 0.02, threading.Event()
+    hs = hashes(600)  # more than the journal holds (a 1 MiB map)
+    for k in range(0, 600, 20):
+        store.store(NS, hs[k:k + 20], [payload_for(h) for h in hs[k:k + 20]])
+    # The stores waited for room, as queue_full = "wait" says: every block reaches the tier, none is lost.
+    assert store.flush(60) and in_lower(lower, hs)
+    assert store.stats()["disk"]["lost"] == 0 and store.stats()["disk"]["journal_blocks"] == 0
     store.close()

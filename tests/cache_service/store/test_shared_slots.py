@@ -115,3 +115,19 @@ def test_a_slot_the_client_writes_after_its_commit_never_reaches_the_disk(tmp_pa
     # after a restart (the pool is empty) the disk serves the bytes committed, not the ones written after
     with make_store(tmp_path, cpu_blocks=4, shared=True) as store:
         assert all_same(store.load(NS, hs), hs)
+
+
+def test_blocks_the_tiers_below_hold_already_are_not_copied_at_commit(tmp_path, monkeypatch):
+    import cache_service.store.shared_slots as shared_slots
+
+    with make_store(tmp_path, cpu_blocks=8, shared=True) as store:
+        hs = hashes(6, start=1200)
+        _direct(store, hs)
+        assert store.flush(60) and store.tiers[1].contains_many(hs) == [True] * 6
+        # The blocks leave the pool and are committed again: the disk holds them, so none is copied for it.
+        store.tiers[0].delete_many(hs)
+        copied = []
+        real = shared_slots.copy_hashed
+        monkeypatch.setattr(shared_slots, "copy_hashed", lambda d, s, skip: (copied.append(len(s)), real(d, s, skip))[1])
+        _direct(store, hs)
+        assert sum(copied) == 0 and all_same(store.load(NS, hs), hs)
