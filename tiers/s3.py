@@ -270,7 +270,9 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
                         if self._ns.get(h) == ns and self._index.get(h) is entry:
                             self._forget([h])
                     continue
-                self._fail("get", h.hex(), e, trip=not s3_io.transient(e))  # one reset: this load misses
+                self._fail("get", h.hex(), e, trip=not s3_io.transient(e))
+                if s3_io.transient(e):  # one reset is this load's miss; several with no answer, an outage
+                    self._outage.dropped()
                 return None
             self._outage.answered()
             with self._lock:

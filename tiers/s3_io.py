@@ -50,6 +50,9 @@ class Throttled:
         self.log.warning(msg + (f" (+{skipped} similar suppressed)" if skipped else ""), *args)
 
 
+DROPS_TO_TRIP = 3
+
+
 class Outage:
     """When an S3 that failed as if down is left alone: for `retry_after_s`
     after such a failure, doubled (up to 8x) when S3 answered nothing since
@@ -62,10 +65,19 @@ class Outage:
         self._down_until = 0.0
         self._pause = retry_after_s  # the current pause (doubles, up to 8x)
         self._answered = True  # S3 answered a request since the last pause began
+        self._dropped = 0  # connections dropped mid-request since S3 last answered
 
     def answered(self) -> None:
         """A request got an answer from S3 (a 404 counts)."""
-        self._answered = True
+        self._answered, self._dropped = True, 0
+
+    def dropped(self) -> None:
+        """A connection dropped mid-request (`transient`): one is a miss, but
+        DROPS_TO_TRIP of them with no answer between is an outage (an endpoint
+        that accepts connections and closes them)."""
+        self._dropped += 1
+        if self._dropped >= DROPS_TO_TRIP:
+            self.trip()
 
     def over(self) -> bool:
         """False while S3 is being left alone."""
@@ -78,7 +90,7 @@ class Outage:
             return
         again = not self._answered
         self._pause = min(2 * self._pause, 8 * self.retry_after_s) if again else self.retry_after_s
-        self._down_until, self._answered = now + self._pause, False
+        self._down_until, self._answered, self._dropped = now + self._pause, False, 0
 
 
 def error_code(e: Exception) -> str:

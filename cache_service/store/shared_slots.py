@@ -158,17 +158,19 @@ class SharedSlots:
         tiers below keep what they are given, and a slot written after a check
         would reach the disk as a sound block (a load from the pool checks its
         payload; one from the disk would not)."""
-        needed = {i: [k for k in keys if not self.placement.below_has(i, k)] for i in through}
-        wanted = set().union(*needed.values())
-        entries = [(k, e) for k, e in zip(keys, held) if e is not None and k in wanted]
-        pool.let_go([e for k, e in zip(keys, held) if e is not None and k not in wanted])
+        held_entries = [(k, e) for k, e in zip(keys, held) if e is not None]
+        entries: list = []
+        try:  # every slot held is let go, whatever fails here
+            needed = {i: [k for k in keys if not self.placement.below_has(i, k)] for i in through}
+            wanted = set().union(*needed.values())
+            entries = [(k, e) for k, e in held_entries if k in wanted]
+            if entries:
+                copies = torch.empty(len(entries), entries[0][1][1].numel(), dtype=torch.uint8)
+                sums = copy_hashed(list(copies.numpy()), [e[1].numpy() for _, e in entries], HEADER_SIZE)
+        finally:
+            pool.let_go([e for _, e in held_entries])
         if not entries:
             return
-        try:
-            copies = torch.empty(len(entries), entries[0][1][1].numel(), dtype=torch.uint8)
-            sums = copy_hashed(list(copies.numpy()), [e[1].numpy() for _, e in entries], HEADER_SIZE)
-        finally:
-            pool.let_go([e for _, e in entries])
         sound = verify(copies, ns, [k for k, _ in entries], sums)
         bad = [k for (k, _), ok in zip(entries, sound) if ok is None]
         if bad:

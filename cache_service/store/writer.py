@@ -22,6 +22,7 @@ Item = tuple[BlockHash, torch.Tensor]
 
 
 WRITE_BATCH = 256  # items per write: a tier's fixed cost per batch (a directory fsync, an index commit) amortized
+SLOW_BPS = 10 << 20  # a writer slower than this on its batch, past its grace, is stuck (submit_many's stuck_s)
 
 
 class TierWriter:
@@ -36,7 +37,7 @@ class TierWriter:
         self._depth_limit = depth
         self._items: deque[Item] = deque()
         self._current: list[Item] = []  # the batch being written
-        self._since = 0.0  # when its write began
+        self._busy: tuple[float, int] | None = None  # (since when, bytes) of the batch or tick under way
         self._unfinished = 0  # queued, or in the batch being written
         self._stopping = False
         self._cond = threading.Condition()
@@ -54,14 +55,16 @@ class TierWriter:
     def submit_many(self, items: Sequence[Item], wait: bool, stuck_s: float | None = None) -> int:
         """Queue objects in order; how many were queued: all of them when
         `wait` (waiting for room as the writer drains), else those that fit;
-        with `stuck_s`, the wait ends once the writer has been on one batch
-        that long (a tier that hangs)."""
+        with `stuck_s`, the wait ends once the writer is stuck: on one batch
+        (or tick) for `stuck_s` more than its bytes take at SLOW_BPS (a tier
+        that hangs, not one that is slow)."""
         done = 0
         with self._cond:
             while done < len(items):
                 room = self._depth_limit - len(self._items)
                 if room <= 0:
-                    left = None if stuck_s is None or not self._current else self._since + stuck_s - time.monotonic()
+                    left = None if stuck_s is None or self._busy is None else \
+                        self._busy[0] + stuck_s + self._busy[1] / SLOW_BPS - time.monotonic()
                     if not wait or (left is not None and left <= 0):
                         break
                     self._cond.wait(left)
@@ -106,14 +109,14 @@ class TierWriter:
                 self._cond.wait(self._tick_s if self._tick else None)
             n = min(self._batch, len(self._items))
             batch = self._current = [self._items.popleft() for _ in range(n)]
-            self._since = time.monotonic()
             if batch:
+                self._busy = (time.monotonic(), sum(obj.numel() for _, obj in batch))
                 self._cond.notify_all()  # room for waiting submitters
             return batch, self._stopping and not self._items
 
     def _done(self, n: int) -> None:
         with self._cond:
-            self._current = []
+            self._current, self._busy = [], None
             self._unfinished -= n
             self._cond.notify_all()
 
@@ -136,8 +139,14 @@ class TierWriter:
         if self._tick is None or time.monotonic() < self._next_tick:
             return
         self._next_tick = time.monotonic() + self._tick_s
+        with self._cond:
+            self._busy = (time.monotonic(), 0)
         try:
             if self._tick():  # it yielded to queued work with more of its own left: again after the next batch
                 self._next_tick = time.monotonic()
         except Exception:  # dispatch boundary, as for a batch
             log.exception("writer %s: periodic work failed", self.name)
+        finally:
+            with self._cond:
+                self._busy = None
+                self._cond.notify_all()

@@ -80,6 +80,23 @@ def test_one_connection_reset_on_a_load_is_that_loads_miss_not_an_outage(moto):
     tier.close()
 
 
+def test_an_endpoint_that_drops_every_connection_is_an_outage_after_a_few(moto):
+    from botocore.exceptions import ConnectionClosedError
+
+    tier = tier_on(moto, f"tkv-{uuid.uuid4().hex[:16]}", retry_after_s=30.0)
+    hs = keys(5)
+    tier.note_namespace(bytes(block(hs[0])[8:24].tolist()))  # loads of blocks of this namespace ask S3
+
+    def dropped(**kw):  # a proxy whose S3 is gone: it accepts each connection and closes it
+        raise ConnectionClosedError(endpoint_url=moto.url)
+    tier._reader.get_object = dropped
+    # The first drops are misses; a few in a row with no answer between, and S3 is left alone.
+    for h in hs[:s3_io.DROPS_TO_TRIP - 1]:
+        assert tier.get_many([h]) == [None] and tier.available()
+    assert tier.get_many([hs[-1]]) == [None] and not tier.available()
+    tier.close()
+
+
 def test_deletes_sent_again_go_a_few_batches_per_tick(moto):
     tier = tier_on(moto, f"tkv-{uuid.uuid4().hex[:16]}")
     tier._undeleted.add(f"tierkv/x/{i:08d}" for i in range(10_000))

@@ -131,3 +131,18 @@ def test_blocks_the_tiers_below_hold_already_are_not_copied_at_commit(tmp_path, 
         monkeypatch.setattr(shared_slots, "copy_hashed", lambda d, s, skip: (copied.append(len(s)), real(d, s, skip))[1])
         _direct(store, hs)
         assert sum(copied) == 0 and all_same(store.load(NS, hs), hs)
+
+
+def test_a_tier_below_failing_at_commit_leaves_no_slot_held(tmp_path):
+    with make_store(tmp_path, cpu_blocks=8, shared=True) as store:
+        pool, disk = store.tiers[0], store.tiers[1]
+        real = disk.contains_many
+
+        def failing_once(hs):  # the disk's presence check fails once (an lmdb read error)
+            disk.contains_many = real
+            raise OSError("read failed")
+        disk.contains_many = failing_once
+        with pytest.raises(OSError):
+            _direct(store, hashes(6, start=1500))
+        # The commit failed past its publication: every slot it held for the tiers below is let go.
+        assert not any(pool._readers.values())
