@@ -19,9 +19,10 @@ class SocketCallError(grpc.RpcError):
     """A socket call that failed: the status the server answered, or
     UNAVAILABLE when the connection broke (or timed out)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, timed_out: bool = False) -> None:
         super().__init__(f"{code.name}: {details}")
         self._code, self._details = code, details
+        self.timed_out = timed_out  # no answer in time (a server that hangs), not a broken connection
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -158,4 +159,4 @@ def _parsed(op: Op, body: bytes):
 
 
 def _broken(e: OSError) -> SocketCallError:
-    return SocketCallError(grpc.StatusCode.UNAVAILABLE, f"socket: {e or type(e).__name__}")
+    return SocketCallError(grpc.StatusCode.UNAVAILABLE, f"socket: {e or type(e).__name__}", isinstance(e, TimeoutError))

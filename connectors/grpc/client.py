@@ -42,6 +42,8 @@ from cache_service.blocks.objects import object_size
 from cache_service.protocol.segment import host_id
 from cache_service.protocol.messages import check_payloads, stats_from_pb
 from cache_service.protocol.batches import split
+from cache_service.protocol.socket_client import SocketCallError
+from connectors.grpc.breaker import Breaker
 from connectors.grpc.data_path import DataPathLink
 from connectors.grpc.pool_map import ProtocolError, ns_pb as _ns
 from connectors.grpc.same_host import SameHost
@@ -104,6 +106,7 @@ class GrpcClient:
         self.sessions = RemoteSessions(self.admin)  # connectors/grpc/sessions.py
         self._data_path: DataPathLink | None = None  # the TCP data path (connectors/grpc/data_path.py)
         self._hello_at = 0.0  # no Hello again before this (`_hello_again`)
+        self.breaker = Breaker(lambda: self._hello(min(2.0, self.timeout_s)), self.target)  # a daemon that hangs
         try:
             self.hello = self._hello(connect_timeout_s)
             self.transport = self._pick(transport or q.get("transport", "auto"), shm_bytes)
@@ -177,15 +180,22 @@ class GrpcClient:
 
     def admin(self, name: str, request, invalid: type[TierKVError] = TierKVError):
         """A unary RPC whose failure the caller should see: `invalid` for a
-        refused argument, TierUnavailableError for anything else."""
+        refused argument, TierUnavailableError for anything else (at once
+        while the breaker is open)."""
+        if self.breaker.open:
+            raise TierUnavailableError(f"tierkv daemon at {self.target} is not answering ({name} not sent)")
         try:
             return self.call(name, request)
         except grpc.RpcError as e:
+            if _gone(e):
+                self.breaker.trip()
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise invalid(f"tierkv daemon at {self.target}: {name}: {e.details()}") from None
             raise TierUnavailableError(f"tierkv daemon at {self.target}: {name} failed: {_why(e)}") from None
 
     def _failed(self, what: str, e: Exception, shm: bool = False) -> None:
+        if _gone(e):  # no answer in time: the next calls skip the cache until it answers
+            self.breaker.trip()
         if shm and self._near is not None and not (isinstance(e, grpc.RpcError) and e.code() in _REFUSED):
             self._near.drop()
         if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -204,6 +214,8 @@ class GrpcClient:
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         """Length of the longest prefix the daemon holds (0 on failure)."""
         held = 0
+        if self.breaker.open:
+            return 0
         try:
             for r in self._batches(len(hashes), 1, self.hello.max_blocks):
                 got = self.call("Lookup", pb.LookupRequest(hashes=list(hashes[r.start:r.stop]))).blocks
@@ -218,6 +230,8 @@ class GrpcClient:
     def load(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Verified payloads per hash, None for a miss (and for every block of a failed call)."""
         out: list[torch.Tensor | None] = [None] * len(hashes)
+        if self.breaker.open:
+            return out
         shm = self._near.room(ns) if self._near is not None else 0
         batches = self._batches(len(hashes), object_size(ns), shm or 1 << 62)  # the daemon batches streamed reads
         for r in batches:
@@ -234,6 +248,8 @@ class GrpcClient:
     def store(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
         """Send blocks to the daemon; returns how many were new to its top tier (0 for a failed call)."""
         check_payloads(ns, hashes, payloads)
+        if self.breaker.open:
+            return 0
         shm = self._near.room(ns) if self._near is not None else 0
         stored = 0
         per = max(1, self.hello.max_request_bytes // ns.payload_bytes)  # the daemon's limit is on payload bytes
@@ -280,6 +296,7 @@ class GrpcClient:
         return self.admin("Prefetch", pb.PrefetchRequest(ns=_ns(ns), hashes=list(hashes))).queued
 
     def close(self) -> None:
+        self.breaker.close()
         if self._data_path is not None:
             self._data_path.close()
         if self._near is not None:
@@ -323,6 +340,17 @@ class GrpcClient:
         objects = (framing.encode_pieces(ns, h, p) for h, p in zip(hashes, payloads))
         requests = framing.store_messages(head, objects, object_size(ns), self.hello.chunk_bytes)
         return self._store_rpc(requests, timeout=self.timeout_s, metadata=self._md).stored
+
+
+def _gone(e: Exception) -> bool:
+    """A call the daemon did not answer in time (a daemon that hangs). Not a
+    refused connection or a broken socket: those fail at once, and the next
+    call may well go through (gRPC, a restarted daemon)."""
+    if isinstance(e, SocketCallError):
+        return e.timed_out
+    if isinstance(e, grpc.RpcError):
+        return e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    return isinstance(e, TimeoutError)
 
 
 def _why(e: Exception) -> str:

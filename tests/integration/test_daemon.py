@@ -152,3 +152,30 @@ def test_sigterm_lets_an_in_flight_store_finish(daemons):
 def object_bytes(h: bytes) -> bytes:
     """Block h's object (header + payload), as Store streams carry them."""
     return encode(NS, h, payload_for(h)).numpy().tobytes()
+
+
+@pytest.mark.parametrize("transport", ["shm", "stream"])
+def test_a_daemon_that_hangs_costs_one_timeout_not_one_per_call(daemons, transport):
+    d = daemons().start()
+    d.client_timeout_s = 2.0
+    hs = hashes(8)
+    with GrpcClient(d.url(transport)) as c:
+        assert put(c, hs) == 8 and c.lookup(hs) == 8
+        # The daemon hangs (stopped, as a stalled host): the first call waits out its timeout and misses.
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            assert c.lookup(hs) == 0 and time.monotonic() - t < 10
+            # The next calls skip the cache at once: lookups and loads miss, stores are dropped, admin calls refuse.
+            t = time.monotonic()
+            assert c.lookup(hs) == 0 and c.load(NS, hs) == [None] * 8 and put(c, hashes(4, start=50)) == 0
+            with pytest.raises(TierUnavailableError):
+                c.stats()
+            assert time.monotonic() - t < 0.5
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        # Once it answers again, the cache is back within seconds.
+        deadline = time.monotonic() + 20
+        while c.lookup(hs) != 8 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.lookup(hs) == 8 and intact(c, hs)
