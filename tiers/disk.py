@@ -287,7 +287,7 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
             if not self._unindex([h]):  # still indexed: a miss at each read until lmdb takes the delete
                 self.stats.add(errors=1)
                 return False
-            if e[2] >= self.space.marks.get(slot_size(e[0]), 0):  # a damaged size: the totals took it off
+            if self._past_marks(e):  # a damaged size: the totals took it off
                 log.warning("disk tier %s: a damaged index record; recounting the index's totals", self.root)
                 self.index.recount()
                 self._sync_totals()
@@ -296,14 +296,18 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
                 self._release(e)
         return True
 
+    def _past_marks(self, e: Entry) -> bool:
+        """Whether record `e` names a slot past its size's marks (no put ever had it: a damaged record)."""
+        return e[2] >= self.space.marks.get(slot_size(e[0]), 0)
+
     def _owns_slot(self, h: BlockHash, e: Entry) -> bool:
         """Whether record `e`'s slot is its block's to free: below the slot
         marks (past them, the marks hand it out) and not another block's by
         that block's own record (a damaged record may name a live block's
         slot; caller holds the commit lock)."""
-        c = slot_size(e[0])
-        if e[2] >= self.space.marks.get(c, 0):
+        if self._past_marks(e):
             return False
+        c = slot_size(e[0])
         try:
             other = self.segments.named(e[0], e[2])
         except OSError:

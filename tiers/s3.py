@@ -270,8 +270,9 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
                         if self._ns.get(h) == ns and self._index.get(h) is entry:
                             self._forget([h])
                     continue
-                self._fail("get", h.hex(), e, trip=not s3_io.transient(e))
-                if s3_io.transient(e):  # one reset is this load's miss; several with no answer, an outage
+                dropped = s3_io.transient(e)  # one reset is this load's miss; several with no answer, an outage
+                self._fail("get", h.hex(), e, trip=not dropped)
+                if dropped:
                     self._outage.dropped()
                 return None
             self._outage.answered()

@@ -20,7 +20,8 @@ def _read(path: str, what: str) -> bytes:
 def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grpc.ServerCredentials:
     """TLS credentials for the daemon; with `client_ca`, clients must present certificates."""
     ca = _read(client_ca, "TLS client CA") if client_ca else None
-    if b"ENCRYPTED" in _read(key, "TLS key"):  # gRPC cannot use it; OpenSSL would ask for its passphrase
+    pem = _read(key, "TLS key")
+    if b"ENCRYPTED" in pem:  # gRPC cannot use it; OpenSSL would ask for its passphrase
         raise ConfigError(f"TLS key {key} is encrypted (passphrase-protected): give the key unencrypted")
     try:  # grpc says only "failed to bind" for a key that is not the certificate's
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key, password=lambda: b"")
@@ -28,7 +29,7 @@ def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grp
         raise ConfigError(f"TLS certificate {cert} and key {key} do not go together ({e.reason or e})") from None
     except OSError as e:
         raise ConfigError(f"cannot read TLS certificate {cert} or key {key}: {e.strerror or e}") from None
-    return grpc.ssl_server_credentials([(_read(key, "TLS key"), _read(cert, "TLS certificate"))],
+    return grpc.ssl_server_credentials([(pem, _read(cert, "TLS certificate"))],
                                        root_certificates=ca, require_client_auth=ca is not None)
 
 

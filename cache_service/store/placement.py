@@ -28,7 +28,7 @@ from tiers.base import Tier
 from tiers.types import BlockHash, CapacityError, CorruptBlockError
 
 log = logging.getLogger("tierkv.store")
-STUCK_S = 5.0  # a writer on one batch this long is stuck: stores stop waiting for it (a journal takes theirs)
+STUCK_S = 5.0  # grace before a writer is stuck (TierWriter.submit_many): stores stop waiting, the journal takes theirs
 _MAX_BELOW_HITS = 1 << 16  # blocks whose lower-tier hits are remembered (oldest forgotten first)
 
 

@@ -161,7 +161,8 @@ class SharedSlots:
         held_entries = [(k, e) for k, e in zip(keys, held) if e is not None]
         entries: list = []
         try:  # every slot held is let go, whatever fails here
-            needed = {i: [k for k in keys if not self.placement.below_has(i, k)] for i in through}
+            needed = {i: [k for k, has in zip(keys, self.state.tiers[i].contains_many(keys)) if not has]
+                      for i in through}
             wanted = set().union(*needed.values())
             entries = [(k, e) for k, e in held_entries if k in wanted]
             if entries:

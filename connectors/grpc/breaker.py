@@ -26,7 +26,6 @@ class Breaker:
         self._open = threading.Event()
         self._stopped = threading.Event()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
 
     @property
     def open(self) -> bool:
@@ -38,8 +37,7 @@ class Breaker:
             if self._stopped.is_set() or self._open.is_set():
                 return
             self._open.set()
-            self._thread = threading.Thread(target=self._run, name="tierkv-breaker", daemon=True)
-            self._thread.start()
+            threading.Thread(target=self._run, name="tierkv-breaker", daemon=True).start()
         log.warning("tierkv daemon %s is not answering: the cache is skipped until it does", self.name)
 
     def close(self) -> None:

@@ -70,14 +70,23 @@ def test_missing_or_wrong_tokens_are_refused(start):
     assert "tierkv.v1.TierKV" in names
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None and os.environ.get("CI") != "true",
-                    reason="needs openssl to make a certificate (under CI its absence fails)")
+needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None and os.environ.get("CI") != "true",
+                                   reason="needs openssl to make a certificate (under CI its absence fails)")
+
+
+def self_signed(tmp_path, name: str, *options: str) -> tuple[str, str]:
+    """(certificate, key) PEM paths of a self-signed certificate for localhost;
+    `options`: more `openssl req` flags (default `-nodes`: an unencrypted key)."""
+    cert, key = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-days", "1", "-subj", "/CN=localhost",
+                    *(options or ("-nodes",)), "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+@needs_openssl
 def test_tls_with_a_self_signed_certificate(start, tmp_path):
     # a certificate for localhost, trusted by the client as its CA
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    cert, key = self_signed(tmp_path, "cert", "-nodes", "-addext", "subjectAltName=DNS:localhost")
     d = start(listen="localhost:0", tls_cert=str(cert), tls_key=str(key))
     with GrpcClient(f"grpc://localhost:{d.port}?tls=1&ca={cert}") as c:
         assert put(c, hashes(2)) == 2 and intact(c, hashes(2))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
 
@@ -15,17 +14,11 @@ import pytest
 from cache_service.server.daemon import DaemonError
 from connectors.grpc.client import GrpcClient
 from proto import tierkv_pb2 as pb
+from tests.cache_service.server.test_auth import needs_openssl, self_signed
 from tests.cache_service.server.test_servicer import code_of, raw, start  # noqa: F401 (fixture)
 from tiers.types import ConfigError, TierKVError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-def certificate(tmp_path, name: str) -> tuple[str, str]:
-    cert, key = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    return str(cert), str(key)
 
 
 def test_a_client_certificate_without_its_key_is_an_error_not_an_abort(tmp_path):
@@ -43,10 +36,9 @@ def test_a_timeout_that_could_never_be_met_is_refused_in_the_url(timeout):
         GrpcClient(f"grpc://127.0.0.1:1?timeout={timeout}")
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None and os.environ.get("CI") != "true",
-                    reason="needs openssl to make a certificate (under CI its absence fails)")
+@needs_openssl
 def test_a_certificate_and_a_key_that_do_not_go_together_say_so(start, tmp_path):
-    (cert, _), (_, other_key) = certificate(tmp_path, "a"), certificate(tmp_path, "b")
+    (cert, _), (_, other_key) = self_signed(tmp_path, "a"), self_signed(tmp_path, "b")
     with pytest.raises((ConfigError, DaemonError), match="do not go together"):
         start(listen="localhost:0", tls_cert=cert, tls_key=other_key)
 
@@ -98,12 +90,9 @@ def test_a_tenant_keeps_at_most_max_sessions_manifests(start):
     assert sorted(stub.ListSessions(pb.ListSessionsRequest()).session_ids) == ["a", "c", "d"]
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None and os.environ.get("CI") != "true",
-                    reason="needs openssl to make a certificate (under CI its absence fails)")
+@needs_openssl
 def test_an_encrypted_tls_key_is_refused_without_asking_for_a_passphrase(start, tmp_path):
-    cert, key = tmp_path / "c.pem", tmp_path / "c.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-passout", "pass:secret", "-days", "1",
-                    "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    cert, key = self_signed(tmp_path, "c", "-passout", "pass:secret")
     # OpenSSL would ask for the passphrase on the terminal (a daemon start blocked there): a clear error instead.
     with pytest.raises(ConfigError, match="encrypted"):
-        start(listen="localhost:0", tls_cert=str(cert), tls_key=str(key))
+        start(listen="localhost:0", tls_cert=cert, tls_key=key)

@@ -2,6 +2,8 @@
 commit checks and publishes, and the blocks then live like any other."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from cache_service.store.shared_slots import HELD, NO_ROOM
@@ -78,13 +80,16 @@ def test_only_a_shared_top_tier_takes_direct_puts(tmp_path):
             store.reserve(NS, hashes(1))
 
 
-def test_write_through_copies_committed_slots_so_their_slots_are_free_at_once(tmp_path):
-    import threading
+def gated(disk) -> threading.Event:
+    """Make `disk`'s writes wait until the returned event is set."""
+    gate, real_put = threading.Event(), disk.put_many
+    disk.put_many = lambda hs, objs: (gate.wait(30), real_put(hs, objs))[1]
+    return gate
 
+
+def test_write_through_copies_committed_slots_so_their_slots_are_free_at_once(tmp_path):
     with make_store(tmp_path, cpu_blocks=2, shared=True) as store:
-        disk, gate = store.tiers[1], threading.Event()
-        real_put = disk.put_many
-        disk.put_many = lambda hs, objs: (gate.wait(30), real_put(hs, objs))[1]
+        disk, gate = store.tiers[1], gated(store.tiers[1])
         # two blocks committed: their write-through to disk waits at the gate
         first = hashes(2, start=600)
         _direct(store, first)
@@ -97,12 +102,8 @@ def test_write_through_copies_committed_slots_so_their_slots_are_free_at_once(tm
 
 
 def test_a_slot_the_client_writes_after_its_commit_never_reaches_the_disk(tmp_path):
-    import threading
-
     with make_store(tmp_path, cpu_blocks=4, shared=True) as store:
-        disk, gate = store.tiers[1], threading.Event()
-        real_put = disk.put_many
-        disk.put_many = lambda hs, objs: (gate.wait(30), real_put(hs, objs))[1]
+        gate = gated(store.tiers[1])
         # two blocks committed; the client then writes their slots again, before the disk writes them
         hs = hashes(2, start=900)
         slots = _direct(store, hs)
