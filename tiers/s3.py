@@ -51,6 +51,7 @@ from tiers.types import BlockHash, ConfigError, TierKVError
 log = logging.getLogger(__name__)
 
 _MAX_FOREIGN = 1 << 20  # blocks remembered from other nodes (oldest forgotten first)
+UNTICKED_S = 5.0  # a tier no writer ticked for this long lets its loads find out whether S3 is back
 T = TypeVar("T")
 
 
@@ -100,6 +101,7 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
         self._namespaces: dict[str, int] = {}  # namespaces seen or noted (-> object bytes, 0: unknown), most recent last
         self._used = self._reserved = 0
         self._ready = False  # bucket checked/created
+        self._ticked = -UNTICKED_S  # when the writer's tick last ran (it probes S3 after a pause)
         self._closed = False
         self._warn = Throttled(log)
         self._open()
@@ -248,8 +250,7 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
     def _get_one(self, h: BlockHash) -> torch.Tensor | None:
         tried = self._candidates(h)
         for ns in tried:
-            if not self._usable():
-                self.stats.add(errors=1)
+            if not self._readable():
                 return None
             with self._lock:
                 entry = self._index.get(h)  # a put landing while the GET is out replaces it
@@ -333,6 +334,34 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
     def available(self) -> bool:
         """False while S3 is left alone after a failure that looked like an outage."""
         return self._outage.over()
+
+    def tick(self) -> None:
+        """After a pause, probe S3 (a HEAD of the bucket, on the writer's
+        thread) before the loads go back to it; then the deletes S3 did not take."""
+        self._ticked = time.monotonic()
+        if self._outage.confirmed() or self._probe():
+            super().tick()
+
+    def _probe(self) -> bool:
+        if not self._usable():  # checks the bucket and lists it, if open could not
+            return False
+        try:
+            self._reader.head_bucket(Bucket=self.bucket)
+        except (BotoCoreError, ClientError) as e:
+            self._fail("probe", self.bucket, e)
+            return False
+        self._outage.answered()
+        return True
+
+    def _readable(self) -> bool:
+        """Loads run on the engine's time: one that probed an S3 gone silent
+        waited out a read timeout each time its pause ended. While S3 has not
+        answered since the last pause, they miss and the writer's tick probes
+        (a tier no writer ticks probes with its loads, as before)."""
+        ok = (self._outage.confirmed() or time.monotonic() - self._ticked >= UNTICKED_S) and self._usable()
+        if not ok:
+            self.stats.add(errors=1)
+        return ok
 
     def _usable(self) -> bool:
         """False while S3 is being left alone after a failure; checks the

@@ -83,6 +83,10 @@ class Outage:
         """False while S3 is being left alone."""
         return time.monotonic() >= self._down_until
 
+    def confirmed(self) -> bool:
+        """S3 answered a request since the last pause began (or never paused)."""
+        return self._answered
+
     def trip(self) -> None:
         """A failure that looks like an outage: leave S3 alone for a while."""
         now = time.monotonic()

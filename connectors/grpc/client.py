@@ -13,7 +13,7 @@ dropped store; both are logged (rate-limited) and counted in ``errors``,
 never raised into the engine. Admin calls (stats, pin, sessions, ...) raise
 `TierUnavailableError` instead, since their caller wants to know.
 
-URL: ``grpc://host:port?transport=auto|shm|stream&tls=1&ca=/ca.pem&timeout=30``
+URL: ``grpc://host:port?transport=auto|shm|stream&tls=1&ca=/ca.pem&timeout=30&lookup_timeout=5``
 (add ``cert=/client.pem&key=/client.key`` for a daemon that wants client certificates).
 ``transport=auto`` (default) uses shared memory when the daemon runs on this
 host and can map a segment this process creates (cache_service/protocol/segment.py),
@@ -54,6 +54,7 @@ from tiers.types import BlockHash, TierKVError, TierUnavailableError
 
 log = logging.getLogger("tierkv.client")
 TRANSPORTS = ("auto", "shm", "stream")
+LOOKUP_TIMEOUT_S = 5.0
 _RECEIVE_LIMIT = 256 << 20  # accept any message size a daemon may be configured for
 # answers given before the daemon touches a segment: the segment stays usable
 _REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -76,12 +77,10 @@ class GrpcClient:
             raise TierKVError(f"cache URL {url!r}: expected grpc://host:port with a port 1-65535")
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # an IPv6 address keeps its brackets
         self.url, self.target = url, f"{host}:{port}"
-        try:
-            self.timeout_s = float(timeout_s or q.get("timeout", 30.0))
-        except ValueError:
-            self.timeout_s = math.nan
-        if not 0 < self.timeout_s < 1e6:  # 0, negative, nan or inf: every call would fail (or raise) later
-            raise TierKVError(f"cache URL {url!r}: timeout must be a number of seconds, above 0 and below 1e6")
+        self.timeout_s = _seconds(url, "timeout", timeout_s or q.get("timeout", 30.0))
+        # a lookup is a few bytes each way: a daemon that hangs costs the scheduler this, not the data timeout
+        self.lookup_timeout_s = _seconds(url, "lookup_timeout", q.get("lookup_timeout", min(LOOKUP_TIMEOUT_S,
+                                                                                            self.timeout_s)))
         self.errors = 0
         self.token = token or os.environ.get("TIERKV_TOKEN")
         self._md = (("authorization", f"Bearer {self.token}"),) if self.token else ()
@@ -218,7 +217,8 @@ class GrpcClient:
             return 0
         try:
             for r in self._batches(len(hashes), 1, self.hello.max_blocks):
-                got = self.call("Lookup", pb.LookupRequest(hashes=list(hashes[r.start:r.stop]))).blocks
+                got = self.call("Lookup", pb.LookupRequest(hashes=list(hashes[r.start:r.stop])),
+                                self.lookup_timeout_s).blocks
                 held += got
                 if got < len(r):
                     break
@@ -340,6 +340,17 @@ class GrpcClient:
         objects = (framing.encode_pieces(ns, h, p) for h, p in zip(hashes, payloads))
         requests = framing.store_messages(head, objects, object_size(ns), self.hello.chunk_bytes)
         return self._store_rpc(requests, timeout=self.timeout_s, metadata=self._md).stored
+
+
+def _seconds(url: str, name: str, value: object) -> float:
+    """A URL's timeout: 0, negative, nan or inf would make every call fail (or raise) later."""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < 1e6:
+        raise TierKVError(f"cache URL {url!r}: {name} must be a number of seconds, above 0 and below 1e6")
+    return seconds
 
 
 def _gone(e: Exception) -> bool:

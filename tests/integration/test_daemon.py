@@ -154,6 +154,22 @@ def object_bytes(h: bytes) -> bytes:
     return encode(NS, h, payload_for(h)).numpy().tobytes()
 
 
+def test_a_lookup_to_a_daemon_that_hangs_waits_the_lookup_timeout_not_the_data_timeout(daemons):
+    d = daemons().start()
+    d.client_timeout_s = 60.0
+    hs = hashes(4)
+    with GrpcClient(d.url("stream") + "&lookup_timeout=1") as c:
+        assert put(c, hs) == 4 and c.lookup(hs) == 4
+        # The daemon hangs: the scheduler's first lookup misses after the short lookup deadline.
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            assert c.lookup(hs) == 0 and time.monotonic() - t < d.client_timeout_s / 2
+            assert c.breaker.open
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+
+
 @pytest.mark.parametrize("transport", ["shm", "stream"])
 def test_a_daemon_that_hangs_costs_one_timeout_not_one_per_call(daemons, transport):
     d = daemons().start()

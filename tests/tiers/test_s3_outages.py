@@ -158,3 +158,44 @@ def test_loads_try_once_and_writes_retry(moto):
     assert tier._reader.meta.config.retries["total_max_attempts"] == 1
     assert tier._client.meta.config.retries["total_max_attempts"] == 3
     tier.close()
+
+
+def test_loads_leave_an_s3_gone_silent_to_the_writers_probe(moto):
+    from botocore.exceptions import ReadTimeoutError
+
+    tier = tier_on(moto, f"tkv-{uuid.uuid4().hex[:16]}", retry_after_s=0.2)
+    a = keys(1)[0]
+    assert tier.put_many([a], [block(a)]) == [True]
+    tier.tick()  # the store's writer ticks the tier about once a second
+    asked = []
+    real_get, real_head = tier._reader.get_object, tier._reader.head_bucket
+
+    def silent(**kw):  # a black hole: every request waits out the read timeout
+        asked.append(kw)
+        raise ReadTimeoutError(endpoint_url=moto.url)
+    tier._reader.get_object = tier._reader.head_bucket = silent
+    # The first load finds S3 silent: a miss, and S3 is left alone.
+    assert tier.get_many([a]) == [None] and not tier.available() and len(asked) == 1
+    # The pause ends: loads (on the engine's time) do not probe; the writer's tick does, and fails.
+    time.sleep(0.25)
+    assert tier.available() and tier.get_many([a]) == [None] and len(asked) == 1
+    tier.tick()
+    assert len(asked) == 2 and not tier.available()
+    # S3 answers again: the tick's probe sees it, and loads go back to S3.
+    tier._reader.get_object, tier._reader.head_bucket = real_get, real_head
+    time.sleep(0.45)
+    assert tier.get_many([a]) == [None]
+    tier.tick()
+    assert tier.get_many([a])[0] is not None
+    tier.close()
+
+
+def test_a_tier_no_writer_ticks_probes_with_its_loads(moto):
+    tier = tier_on(moto, f"tkv-{uuid.uuid4().hex[:16]}", retry_after_s=0.2)
+    a = keys(1)[0]
+    assert tier.put_many([a], [block(a)]) == [True]
+    # Left alone after a failure, with no tick since: once the pause ends, a load finds out S3 is back.
+    tier._outage.trip()
+    time.sleep(0.25)
+    assert tier.get_many([a])[0] is not None
+    tier.close()

@@ -31,9 +31,10 @@ def test_a_client_certificate_without_its_key_is_an_error_not_an_abort(tmp_path)
 
 
 @pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf", "soon"])
-def test_a_timeout_that_could_never_be_met_is_refused_in_the_url(timeout):
-    with pytest.raises(TierKVError, match="timeout"):
-        GrpcClient(f"grpc://127.0.0.1:1?timeout={timeout}")
+@pytest.mark.parametrize("name", ["timeout", "lookup_timeout"])
+def test_a_timeout_that_could_never_be_met_is_refused_in_the_url(name, timeout):
+    with pytest.raises(TierKVError, match=name):
+        GrpcClient(f"grpc://127.0.0.1:1?{name}={timeout}")
 
 
 @needs_openssl
