@@ -336,8 +336,7 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
         return self._outage.over()
 
     def tick(self) -> None:
-        """After a pause, probe S3 (a HEAD of the bucket, on the writer's
-        thread) before the loads go back to it; then the deletes S3 did not take."""
+        """After a pause, probe S3 (a HEAD of the bucket, on the writer's thread) before loads go back to it."""
         self._ticked = time.monotonic()
         if self._outage.confirmed() or self._probe():
             super().tick()
@@ -354,10 +353,9 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
         return True
 
     def _readable(self) -> bool:
-        """Loads run on the engine's time: one that probed an S3 gone silent
-        waited out a read timeout each time its pause ended. While S3 has not
-        answered since the last pause, they miss and the writer's tick probes
-        (a tier no writer ticks probes with its loads, as before)."""
+        """Loads run on the engine's time (one probing a silent S3 waited out a read timeout): while S3
+        has not answered since the last pause they miss, and the writer's tick probes (a tier no writer
+        ticks probes with its loads)."""
         ok = (self._outage.confirmed() or time.monotonic() - self._ticked >= UNTICKED_S) and self._usable()
         if not ok:
             self.stats.add(errors=1)
