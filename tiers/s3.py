@@ -100,17 +100,15 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
         self._undeleted = PendingDeletes(_MAX_FOREIGN)  # deletes S3 did not take, sent again by tick
         self._namespaces: dict[str, int] = {}  # namespaces seen or noted (-> object bytes, 0: unknown), most recent last
         self._used = self._reserved = 0
-        self._ready = False  # bucket checked/created
+        self._ready = self._closed = False  # _ready: bucket checked/created
         self._ticked = -UNTICKED_S  # when the writer's tick last ran (it probes S3 after a pause)
-        self._closed = False
         self._warn = Throttled(log)
         self._open()
 
     # -- opening ----------------------------------------------------------------
 
     def key_of(self, h: BlockHash, ns: str | None = None) -> str:
-        """The S3 key of block `h` in namespace `ns` (hex; default: the one
-        this tier knows the block under)."""
+        """The S3 key of block `h` in namespace `ns` (hex; default: the one this tier knows it under)."""
         ns = ns or self._ns.get(h) or NO_NS
         return f"{self.prefix}/{ns}/{h[0]:02x}/{h.hex()}"
 
