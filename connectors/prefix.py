@@ -16,15 +16,15 @@ from cache_service.blocks.keys import Namespace, prefix_hashes
 from tiers.types import BlockHash
 
 
-def block_hashes(ns: Namespace, token_ids: Sequence[int], start: int, end: int) -> list[BlockHash]:
+def block_hashes(ns: Namespace, token_ids: Sequence[int], start: int, end: int, salt: bytes = b"") -> list[BlockHash]:
     """Hashes of the full blocks of tokens [0, end) from the one holding token `start` on
-    (`start` is block-aligned wherever a connector asks)."""
-    return prefix_hashes(ns, token_ids[:end])[start // ns.block_tokens:]
+    (`start` is block-aligned wherever a connector asks); `salt`: see `prefix_hashes`."""
+    return prefix_hashes(ns, token_ids[:end], salt)[start // ns.block_tokens:]
 
 
-def full_blocks(ns: Namespace, token_ids: Sequence[int]) -> list[BlockHash]:
+def full_blocks(ns: Namespace, token_ids: Sequence[int], salt: bytes = b"") -> list[BlockHash]:
     """Hashes of every full block of `token_ids` (what a lookup asks for)."""
-    return prefix_hashes(ns, list(token_ids[:len(token_ids) // ns.block_tokens * ns.block_tokens]))
+    return prefix_hashes(ns, list(token_ids[:len(token_ids) // ns.block_tokens * ns.block_tokens]), salt)
 
 
 def loaded_prefix(payloads: Sequence[object | None]) -> int:

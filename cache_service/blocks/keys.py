@@ -139,9 +139,12 @@ def chain_hashes(
     return hashes
 
 
-def prefix_hashes(ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> list[BlockHash]:
-    """Block hashes of the full blocks of a prompt under namespace `ns`."""
-    return chain_hashes(ns.fingerprint(), token_ids, ns.block_tokens)
+def prefix_hashes(ns: Namespace, token_ids: Sequence[int] | np.ndarray, salt: bytes = b"") -> list[BlockHash]:
+    """Block hashes of the full blocks of a prompt under namespace `ns`; a
+    `salt` (a request's cache salt, digested) starts the chain elsewhere, so
+    only requests with the same salt share blocks (the namespace stays one)."""
+    root = xxhash.xxh3_128_digest(ns.fingerprint() + salt) if salt else ns.fingerprint()
+    return chain_hashes(root, token_ids, ns.block_tokens)
 
 
 @lru_cache(maxsize=1024)

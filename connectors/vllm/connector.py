@@ -14,40 +14,35 @@ Start vLLM with::
   worker's process; when the scheduler runs in another process (vLLM's
   default on CPU) it looks blocks up through the worker over a local socket.
   One vLLM instance per directory; with tensor or pipeline parallelism use
-  the daemon, ``grpc://host:port`` (local:// is refused there). A service
-  that cannot be opened at startup is tried again every 10 s; until then
-  lookups miss, loads fail (vLLM recomputes) and saves are dropped, with a
-  warning. A malformed URL is an error.
-- ``block_tokens`` (int, default 16): tokens per store block. Keys are the
-  engine-neutral hashes of docs/hash-spec.md, so with the default the blocks
-  vLLM writes are the blocks our own engine writes for the same model, and
-  vice versa. vLLM's ``block_size`` (128 on CPU, 16 on CUDA) must be a
-  multiple or a divisor of it. Loaded prefixes are multiples of both.
+  the daemon, ``grpc://host:port`` (local:// is refused there). A service that cannot be opened
+  at startup is tried again every 10 s; until then lookups miss, loads fail (vLLM recomputes)
+  and saves are dropped, with a warning. A malformed URL is an error.
+- ``block_tokens`` (int, default 16): tokens per store block. Keys are the engine-neutral
+  hashes of docs/hash-spec.md, so with the default the blocks vLLM writes are the blocks our own
+  engine writes for the same model, and vice versa. vLLM's ``block_size`` (128 on CPU, 16 on
+  CUDA) must be a multiple or a divisor of it. Loaded prefixes are multiples of both.
 - ``tenant`` (str, default ``""``): salts the namespace; tenants never share blocks.
-  A request's ``cache_salt`` salts it further.
-- ``load_failure`` (``"recompute"`` | ``"fail"``, default ``"recompute"``):
-  what vLLM does when a block cannot be loaded (evicted, corrupt). A cache
-  is best-effort, so the connector sets vLLM's ``kv_load_failure_policy`` to
-  this value; vLLM then recomputes the reported blocks.
-- ``async_save`` (true | false | ``"auto"``, default auto): true runs saves
-  on a background thread after the step, and vLLM frees a finished
-  request's pages once they are read (``get_finished``); false saves within
-  the step, before its output is returned. Auto is true when vLLM's KV cache
-  is on a GPU (the copies overlap its compute) and false on CPU, where
-  background saves made each warm request 30-50 ms slower against 5 ms of
-  saving in the step (vLLM's CPU worker binds its OpenMP threads to every
-  core; torch copies from another thread start a second team beside them).
+  A request's ``cache_salt`` starts its blocks' hash chain from its digest: only
+  requests with the same salt share them (session hints ignore salted requests).
+- ``load_failure`` (``"recompute"`` | ``"fail"``, default ``"recompute"``): what vLLM does when
+  a block cannot be loaded (evicted, corrupt); the connector sets vLLM's
+  ``kv_load_failure_policy`` to it (a cache is best-effort: vLLM recomputes the reported blocks).
+- ``async_save`` (true | false | ``"auto"``, default auto): true runs saves on a background
+  thread after the step, and vLLM frees a finished request's pages once they are read
+  (``get_finished``); false saves within the step, before its output is returned. Auto is true
+  when vLLM's KV cache is on a GPU (the copies overlap its compute) and false on CPU, where
+  background saves made each warm request 30-50 ms slower against 5 ms of saving in the step
+  (vLLM's CPU worker binds its OpenMP threads to every core; torch copies from another thread
+  start a second team beside them).
 
 The namespace (`connectors.model_id.kv_namespace`) is derived from what vLLM runs: model id
-(`model_id_for_dir` for a local directory, else the
-model name and revision), KV dtype, attention layers, KV heads per TP rank,
-head dim, TP rank/world. Requests with LoRA adapters, multimodal inputs or
-prompt embeddings are neither looked up nor saved (their KV depends on more
-than token ids).
+(`model_id_for_dir` for a local directory, else the model name and revision), KV dtype,
+attention layers, KV heads per TP rank, head dim, TP rank/world. Requests with LoRA adapters,
+multimodal inputs or prompt embeddings are neither looked up nor saved (their KV depends on
+more than token ids).
 
-Roles: vLLM builds one instance for the scheduler and one per worker; the
-scheduler side (`connectors/vllm/scheduler.py`) plans, the worker side
-(`connectors/vllm/worker.py`) copies. Both use one client per URL and process.
+Roles: vLLM builds one instance for the scheduler and one per worker; the scheduler side
+(`connectors/vllm/scheduler.py`) plans, the worker side (`worker.py`) copies; one client per URL and process.
 
 Layouts: the store always holds the canonical block layout of
 docs/hash-spec.md. vLLM's CPU attention packs each page per ISA (K transposed
@@ -58,6 +53,7 @@ vLLM on one CPU is readable by our engine and by vLLM on another CPU.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -102,20 +98,22 @@ class TierKVMetadata(KVConnectorMetadata):
     saves: list[Transfer] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # their pages are reused after this step's start
     idle: bool = False  # the step computes nothing (vLLM steps only to poll get_finished)
-    failures_seen: int = 0  # failed loads the scheduler had heard of when it planned the step
+    step: int = 0  # this plan's number (the scheduler's plans count from 1)
+    heard: int = 0  # the last step whose failed loads the scheduler had been told of when it planned this one
 
 
 @dataclass
 class TierKVWorkerMeta(KVConnectorWorkerMetadata):
-    """Workers -> scheduler: requests whose load stopped short (req_id -> tokens loaded)."""
+    """Workers -> scheduler: requests whose load stopped short (req_id -> tokens loaded) in step `step`."""
 
     failed: dict[str, int] = field(default_factory=dict)
+    step: int = 0
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TierKVWorkerMeta":
         merged = dict(self.failed)
         for req_id, good in getattr(other, "failed", {}).items():
             merged[req_id] = min(good, merged.get(req_id, good))
-        return TierKVWorkerMeta(merged)
+        return TierKVWorkerMeta(merged, max(self.step, getattr(other, "step", 0)))
 
 
 @dataclass
@@ -197,11 +195,23 @@ def _tp_rank() -> int:
 
 
 def _request_tenant(request: "Request", tenant: str) -> str | None:
-    """The tenant salt of a request, or None when its KV is not a function of token ids alone."""
+    """The key of a request's blocks (scheduler.key_space): its tenant, and the digest of its cache
+    salt if it has one; None when its KV is not a function of token ids alone."""
     if request.lora_request is not None or request.mm_features or request.prompt_embeds is not None:
         return None
     salt = getattr(request, "cache_salt", None)
-    return f"{tenant}|cache_salt={salt}" if salt else tenant
+    if not salt:
+        return tenant
+    # The salt starts the blocks' hash chain (as vLLM's prefix cache mixes it into the first block), the
+    # namespace stays the tenant's: as a tenant name a salt was refused by a daemon (a newline also failed
+    # the namespace's own check, which stopped vLLM's engine), and per-salt namespaces would each cost
+    # an S3 tier a GET per load of an unknown block. A digest: vLLM lets any character but @ / \ NUL through.
+    return f"{tenant}\n{hashlib.sha256(salt.encode('utf-8', 'surrogatepass')).hexdigest()}"
+
+
+def _hinted(request: "Request", key: str) -> bool:
+    """Whether to act on a request's session hints: sessions keep unsalted chains (a salted request's are its own)."""
+    return bool(request.kv_transfer_params) and "\n" not in key
 
 
 def _instance(vllm_config: "VllmConfig", url: str) -> str:
@@ -267,7 +277,7 @@ class TierKVConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
         if self.worker is not None and isinstance(meta, TierKVMetadata) and meta.loads:
-            self.worker.load(meta.loads, meta.failures_seen)
+            self.worker.load(meta.loads, meta.step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward
@@ -278,7 +288,7 @@ class TierKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if self.worker is not None and isinstance(meta, TierKVMetadata) and meta.saves:
-            self.worker.save(meta.saves, meta.failures_seen)
+            self.worker.save(meta.saves, meta.heard)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         saves = self.worker.saves if self.worker is not None else None
@@ -303,7 +313,7 @@ class TierKVConnector(KVConnectorBase_V1):
         if self.worker is None:
             return None
         failed = self.worker.take_failed()
-        return TierKVWorkerMeta(failed) if failed else None
+        return TierKVWorkerMeta(failed, self.worker.failed_step) if failed else None
 
     def get_kv_connector_stats(self) -> TierKVStats | None:
         side = self.worker or self.scheduler
@@ -320,12 +330,16 @@ class TierKVConnector(KVConnectorBase_V1):
 
     # ============================================================= scheduler
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        tenant = _request_tenant(request, self.cfg.tenant)
-        if self.scheduler is None or tenant is None:
+        try:  # dispatch boundary: an error here would stop vLLM's engine for every request; nothing is promised yet
+            tenant = _request_tenant(request, self.cfg.tenant)
+            if self.scheduler is None or tenant is None:
+                return 0, False
+            if _hinted(request, tenant) and not self.scheduler.knows(request.request_id):  # first sight: a
+                self.hints.arrived(request.kv_transfer_params, tenant)  # prefetch starts before the lookup
+            n = self.scheduler.matched_tokens(request.request_id, request.all_token_ids, num_computed_tokens, tenant)
+        except Exception:
+            log.exception("tierkv: lookup of request %s failed; computing it", request.request_id)
             return 0, False
-        if request.kv_transfer_params and not self.scheduler.knows(request.request_id):  # first sight: a
-            self.hints.arrived(request.kv_transfer_params, tenant)  # prefetch starts before the lookup
-        n = self.scheduler.matched_tokens(request.request_id, request.all_token_ids, num_computed_tokens, tenant)
         return n, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -345,21 +359,21 @@ class TierKVConnector(KVConnectorBase_V1):
         loads, saves = self.scheduler.plan(scheduled, lambda req_id: state.get_block_ids(req_id)[0])
         return TierKVMetadata(loads, saves, sorted(scheduler_output.preempted_req_ids or ()),
                               idle=scheduler_output.total_num_scheduled_tokens == 0,
-                              failures_seen=self.scheduler.failures)
+                              step=self.scheduler.step, heard=self.scheduler.heard)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self.scheduler is not None and isinstance(meta, TierKVWorkerMeta):
             for req_id, good in meta.failed.items():
                 log.warning("tierkv: request %s loaded only %d tokens; vLLM recomputes the rest", req_id, good)
-                self.scheduler.load_failed(req_id, good)
+                self.scheduler.load_failed(req_id, good, meta.step)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is None:
             return False, None
         saving = self.scheduler.finished(request.request_id)
         tenant = _request_tenant(request, self.cfg.tenant)
-        if request.kv_transfer_params and tenant is not None:
+        if tenant is not None and _hinted(request, tenant):
             self.hints.finished(request.kv_transfer_params, tenant,
                                 request.all_token_ids[:request.num_computed_tokens])
         return saving and self.async_save, None  # True: vLLM frees the pages once get_finished says so

@@ -68,6 +68,13 @@ class TierKVConfig:
         return cls(**extra)
 
 
+def key_space(ns: Namespace, key: str) -> tuple[Namespace, bytes]:
+    """The namespace and chain salt of a request's key: its tenant, then
+    (requests with a cache salt) a newline and the salt's digest in hex."""
+    tenant, _, salt = key.partition("\n")
+    return (ns if tenant == ns.tenant_salt else ns.with_tenant(tenant)), bytes.fromhex(salt)
+
+
 @dataclass(slots=True)
 class Transfer:
     """One request's KV move between vLLM pages and the store.
@@ -118,10 +125,11 @@ class SchedulerSide:
         self.bt = bt
         self._reqs: dict[str, _Request] = {}
         self.stats = SchedulerStats()
-        self.failures = 0  # failed loads reported so far; each step's plan carries it (WorkerSide.save)
+        self.step = 0  # plans made: each step's plan carries its number (WorkerSide.load)
+        self.heard = 0  # the last step whose failed loads were reported: each plan carries it (WorkerSide.save)
 
-    def namespace(self, tenant: str) -> Namespace:
-        return self.ns if tenant == self.ns.tenant_salt else self.ns.with_tenant(tenant)
+    def namespace(self, key: str) -> Namespace:
+        return key_space(self.ns, key)[0]
 
     # ----------------------------------------------------------- admission
     def knows(self, req_id: str) -> bool:
@@ -137,10 +145,11 @@ class SchedulerSide:
         if st is None or st.tenant != tenant:
             st = self._reqs[req_id] = _Request(tokens, tenant)
         n = len(tokens)
-        if len(st.hashes) != n // self.bt:
-            st.hashes = full_blocks(self.namespace(tenant), tokens)
         self.stats.lookups += 1
         try:
+            if len(st.hashes) != n // self.bt:
+                ns, salt = key_space(self.ns, tenant)
+                st.hashes = full_blocks(ns, tokens, salt)
             held = self.client.lookup(st.hashes)
         except Exception as e:  # dispatch boundary: an unusable store is a miss, never an error
             if not isinstance(e, CacheNotOpen):  # (that one is logged where it is retried)
@@ -172,8 +181,9 @@ class SchedulerSide:
         `scheduled` holds ``(req_id, num_computed_before_step, num_scheduled)``
         per request in the step; `page_ids_of(req_id)` gives its pages.
         A save covers every full store block that will have KV after the
-        step and is not in the store yet.
+        step and is not in the store yet. The step's number is `self.step` after.
         """
+        self.step += 1
         loads: list[Transfer] = []
         saves: list[Transfer] = []
         for req_id, computed, scheduled_now in scheduled:
@@ -194,11 +204,11 @@ class SchedulerSide:
                 st.stored, st.saving = full, True
         return loads, saves
 
-    def load_failed(self, req_id: str, good_tokens: int) -> None:
-        """A worker loaded only `good_tokens` of the prefix; vLLM recomputes the
-        rest, and those blocks must be saved again."""
+    def load_failed(self, req_id: str, good_tokens: int, step: int) -> None:
+        """A worker loaded only `good_tokens` of the prefix in step `step`; vLLM
+        recomputes the rest, and those blocks must be saved again."""
         self.stats.load_failures += 1
-        self.failures += 1
+        self.heard = max(self.heard, step)
         st = self._reqs.get(req_id)
         if st is not None:
             st.stored = min(st.stored, good_tokens)

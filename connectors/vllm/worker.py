@@ -31,7 +31,7 @@ from connectors.client import CacheClient
 from connectors.prefix import block_hashes, loaded_prefix
 from connectors.vllm.clients import CacheNotOpen
 from connectors.vllm.pages import CpuPageLayout, PagedKV
-from connectors.vllm.scheduler import Transfer
+from connectors.vllm.scheduler import Transfer, key_space
 from tiers.types import ConfigError
 
 log = logging.getLogger("vllm.tierkv")  # under vLLM's logger, so its handler shows our lines
@@ -67,7 +67,8 @@ class WorkerSide:
         self.stats = WorkerStats()
         self._invalid_pages: set[int] = set()
         self._failed: dict[str, int] = {}  # req_id -> tokens actually loaded (this step)
-        self._taint: int | None = None  # the scheduler's failure count as of the last step a load failed here
+        self._taint: int | None = None  # the last step in which a load failed here, until the scheduler heard of it
+        self.failed_step = 0  # the step of the loads in `failed`
         self.saves = SaveQueue(self._save_one, self.stats) if async_save else None
 
     def register(self, kv_caches: dict[str, Tensor], cpu_layout: CpuPageLayout | None = None,
@@ -86,13 +87,9 @@ class WorkerSide:
         log.info("tierkv: %d layers of %s KV, %s layout, pages of %d tokens, store blocks of %d",
                  len(kv.layers), dtype, kv.kind, self.page, self.bt)
 
-    def namespace(self, tenant: str) -> Namespace:
-        return self.ns if tenant == self.ns.tenant_salt else self.ns.with_tenant(tenant)
-
     # --------------------------------------------------------------- loads
-    def load(self, transfers: list[Transfer], failures_seen: int = 0) -> None:
-        """Load a step's blocks; `failures_seen`: how many failed loads the
-        scheduler had heard of when it planned the step (see `save`)."""
+    def load(self, transfers: list[Transfer], step: int = 1) -> None:
+        """Load the blocks of step number `step` (the scheduler's plans count from 1; see `save`)."""
         for t in transfers:
             t0 = time.perf_counter()
             try:
@@ -111,13 +108,13 @@ class WorkerSide:
                 self._invalid_pages.update(t.page_ids[first_bad:])
                 self.stats.pages_invalid += len(t.page_ids) - first_bad
                 self._failed[t.req_id] = good
-                self._taint = failures_seen if self._taint is None else max(self._taint, failures_seen)
+                self._taint, self.failed_step = step if self._taint is None else max(self._taint, step), step
 
     def _load_one(self, t: Transfer) -> int:
         """Load tokens [t.start, t.end); returns the end of what was loaded."""
         assert self.kv is not None, "register_kv_caches must come first"
-        ns = self.namespace(t.tenant)
-        hashes = block_hashes(ns, t.token_ids, t.start, t.end)
+        ns, salt = key_space(self.ns, t.tenant)
+        hashes = block_hashes(ns, t.token_ids, t.start, t.end, salt)
         try:
             payloads = self.client.load(ns, hashes)
         except Exception as e:  # dispatch boundary: a failed load is recomputed, never fatal
@@ -150,17 +147,18 @@ class WorkerSide:
         return out
 
     # --------------------------------------------------------------- saves
-    def save(self, transfers: list[Transfer], failures_seen: int = 0) -> None:
+    def save(self, transfers: list[Transfer], heard: int = 0) -> None:
         """Store the planned blocks (queued, when saves are asynchronous).
 
         After a load failed here, nothing is saved until a step planned once
-        the scheduler heard of it (`failures_seen` past the count that step
-        carried): until then any request may have read the invalid pages
+        the scheduler heard of it (`heard`, the last step whose failures the
+        scheduler had been told of when it planned this one, at or past the
+        step of the failure here): until then any request may have read the invalid pages
         (the failed one, one sharing its pages through vLLM's prefix cache,
         its next chunk planned before the failure was reported) and the
         store keeps the first copy of a block, so the recomputed KV could
         never replace it. vLLM recomputes; what goes unsaved is a later miss."""
-        if self._tainted(failures_seen):
+        if self._tainted(heard):
             self.stats.blocks_unsaved += sum((t.end - t.start) // self.bt for t in transfers)
             if self.saves is not None:
                 self.saves.put(transfers, skip={t.req_id for t in transfers})
@@ -173,15 +171,17 @@ class WorkerSide:
             _run_save(self._save_one, t, self.stats)
         self.stats.save_wait_s += time.perf_counter() - t0
 
-    def _tainted(self, failures_seen: int) -> bool:
-        """Whether a step planned with `failures_seen` may have read pages whose load failed here."""
-        if self._taint is not None and failures_seen > self._taint:
+    def _tainted(self, heard: int) -> bool:
+        """Whether a step planned having heard of failures up to step `heard` may have read pages
+        whose load failed here. A step number, not a count of failures: under async scheduling the
+        report of an earlier failure (another request's, another rank's) must not clear a later one."""
+        if self._taint is not None and heard >= self._taint:
             self._taint = None  # the scheduler has heard of every failure seen here: vLLM recomputes them
         return self._taint is not None
 
     def _save_one(self, t: Transfer) -> None:
         assert self._reader is not None, "register_kv_caches must come first"
-        ns = self.namespace(t.tenant)
+        ns, salt = key_space(self.ns, t.tenant)
         first_page = t.start // self.page
         # pages may start before `start` (a partly saved page): skip the store blocks already saved
         blocks = self._reader.read_blocks(t.page_ids, self.bt)
@@ -190,7 +190,7 @@ class WorkerSide:
         blocks = blocks[skip: skip + n]
         if blocks.device.type != "cpu":
             blocks = blocks.cpu()
-        hashes = block_hashes(ns, t.token_ids, t.start, t.end)
+        hashes = block_hashes(ns, t.token_ids, t.start, t.end, salt)
         assert len(hashes) == n == blocks.shape[0], (len(hashes), n, tuple(blocks.shape))
         new = self.client.store(ns, hashes, list(blocks))
         self.stats.blocks_saved += n

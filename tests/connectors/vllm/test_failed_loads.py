@@ -61,23 +61,24 @@ def test_the_next_chunk_planned_before_the_failure_was_reported_is_not_saved(cli
     sched.allocated("A", pages, sched.matched_tokens("A", x, 0, ""))
     # Async scheduling: step N (load [0, 64), compute [64, 96)) and N+1 (compute [96, 160)) are both planned.
     loads_n, saves_n = sched.plan([("A", 64, 32)], lambda r: pages)
+    n, heard_n = sched.step, sched.heard
     _, saves_n1 = sched.plan([("A", 96, 64)], lambda r: pages)
-    n_seen = n1_seen = sched.failures
+    heard_n1 = sched.heard
     # Block 2 is gone when step N loads: N fails, and N+1 computes on the invalid pages.
     client.delete(prefix_hashes(NS, x)[2:3])
     w, cache = flash_worker(client, 32)
-    w.load(loads_n, n_seen)
-    w.save(saves_n, n_seen)
+    w.load(loads_n, n)
+    w.save(saves_n, heard_n)
     failed = w.take_failed()
     assert failed == {"A": 32}
     compute(cache, list(range(6, 10)), BAD)
-    w.save(saves_n1, n1_seen)
+    w.save(saves_n1, heard_n1)
     # N's report reaches the scheduler; vLLM recomputes from token 32 and the re-planned saves land.
     for req, good in failed.items():
-        sched.load_failed(req, good)
+        sched.load_failed(req, good, w.failed_step)
     compute(cache, list(range(2, 10)), 1.0)
     _, again = sched.plan([("A", 32, 128)], lambda r: pages)
-    w.save(again, sched.failures)
+    w.save(again, sched.heard)
     assert not bad_in_store(client, x, 2, 10) and w.stats.blocks_unsaved == 2 + 4
     assert all(g is not None for g in client.load(NS, prefix_hashes(NS, x)[2:10]))
 
@@ -93,9 +94,9 @@ def test_a_request_sharing_the_failed_pages_in_the_same_step_is_not_saved(client
     loads, saves = sched.plan([("A", 64, 36), ("B", 64, 36)], {"A": a_pages, "B": b_pages}.__getitem__)
     client.delete(prefix_hashes(NS, x)[2:3])
     w, cache = flash_worker(client, 16)
-    w.load(loads, sched.failures)
+    w.load(loads, sched.step)
     compute(cache, [4, 5, 10, 11], BAD)  # both attend to the invalid pages 2 and 3
-    w.save(saves, sched.failures)
+    w.save(saves, sched.heard)
     # Neither A's nor B's new blocks reach the store.
     assert w.take_failed() == {"A": 32}
     assert client.lookup(prefix_hashes(NS, xb)[4:6]) == 0 and not bad_in_store(client, x, 4, 6)
@@ -110,11 +111,41 @@ def test_a_save_deferred_past_the_failure_report_is_not_saved(client):
     loads, saves = sched.plan([("A", 64, 36)], lambda r: pages)
     client.delete(prefix_hashes(NS, x)[2:3])
     w, cache = flash_worker(client, 8)
-    w.load(loads, sched.failures)
+    w.load(loads, sched.step)
     compute(cache, [4, 5], BAD)
     assert w.take_invalid_pages() and w.take_failed() == {"A": 32}
-    w.save(saves, sched.failures)
+    w.save(saves, sched.heard)
     assert w.stats.blocks_saved == 0 and not bad_in_store(client, x, 4, 6)
+
+
+def test_an_earlier_failures_report_does_not_clear_a_later_failure_under_async_scheduling(client):
+    x, y = tokens(400, 3), tokens(400, 4)  # two unrelated prompts, 4 blocks of each in the store
+    stored_blocks(client, x, 4)
+    stored_blocks(client, y, 4)
+    sched, px, py = SchedulerSide(client, NS, PAGE), list(range(25)), list(range(25, 50))
+    # Step N-1 loads X; step N, planned before N-1's output came back (async scheduling), loads Y.
+    sched.allocated("X", px, sched.matched_tokens("X", x, 0, ""))
+    loads_x, saves_x = sched.plan([("X", 64, 32)], lambda r: px)
+    step_x, heard_x = sched.step, sched.heard
+    sched.allocated("Y", py, sched.matched_tokens("Y", y, 0, ""))
+    loads_y, saves_y = sched.plan([("Y", 64, 32)], lambda r: py)
+    step_y, heard_y = sched.step, sched.heard
+    # Block 2 of each is gone when its step loads: both loads fail.
+    client.delete(prefix_hashes(NS, x)[2:3] + prefix_hashes(NS, y)[2:3])
+    w, cache = flash_worker(client, 50)
+    w.load(loads_x, step_x)
+    w.save(saves_x, heard_x)
+    report_x = (w.take_failed(), w.failed_step)
+    # The scheduler hears of X's failure, then plans N+1 (Y's next chunk) before N's report.
+    sched.load_failed("X", report_x[0]["X"], report_x[1])
+    w.load(loads_y, step_y)
+    w.save(saves_y, heard_y)
+    assert w.take_failed() == {"Y": 32}
+    _, saves_n1 = sched.plan([("Y", 96, 64)], lambda r: py)
+    compute(cache, list(range(25 + 6, 25 + 10)), BAD)  # Y's chunk, computed over Y's invalid pages
+    w.save(saves_n1, sched.heard)
+    # Nothing computed on Y's invalid pages reaches the store.
+    assert not bad_in_store(client, y, 6, 10) and w.stats.blocks_saved == 0
 
 
 def test_store_blocks_larger_than_pages_never_load_from_inside_a_block(client):

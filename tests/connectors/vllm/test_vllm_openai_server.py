@@ -88,3 +88,21 @@ def test_session_hints_under_vllms_own_server(vllm_server, capsys):
     noise(client, 9)
     r = ask(client, agents["hinted"], max_tokens=1)
     assert r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens // 2
+
+
+def test_a_cache_salt_of_any_characters_isolates_its_requests_and_stops_nothing(vllm_server):
+    client = vllm_server
+    prompt = "Salted: " + " ".join(f"fact {i} is {i * 7 % 13}." for i in range(60))
+
+    def cached(salt: str) -> int:
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+                                           temperature=0, extra_body={"cache_salt": salt})
+        return r.usage.prompt_tokens_details.cached_tokens
+    # A salt with a newline (vLLM lets any character but @ / \ NUL through) is served, and its second
+    # request finds what the first stored.
+    assert cached("tenant\nA") == 0
+    assert cached("tenant\nA") > 0
+    # Another salt, or none, finds nothing of it (the hash of the salt keys the namespace).
+    assert cached("tenant\nB") == 0 and cached("tenant") == 0
+    # The engine still serves everyone.
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, temperature=0).choices

@@ -93,7 +93,7 @@ def test_plan_loads_after_alloc_then_saves_each_new_full_block(client):
     _, saves = sched.plan([("r", 703, 1)], lambda _: pages)
     assert [(t.start, t.end, t.page_ids) for t in saves] == [(688, 704, [105])]
     # a worker reports that only 128 tokens loaded: those after are saved again once recomputed
-    sched.load_failed("r", 128)
+    sched.load_failed("r", 128, sched.step)
     _, saves = sched.plan([("r", 704, 1)], lambda _: pages)
     assert [(t.start, t.end) for t in saves] == [(128, 704)]
     # a request with saves planned is reported as saving (vLLM waits for the workers); one without is not
