@@ -1,4 +1,4 @@
-"""Token sampling: greedy, or temperature + top-p with a seedable generator."""
+"""Token sampling: greedy, or temperature + top-k + top-p with a seedable generator."""
 from __future__ import annotations
 
 import torch
@@ -16,8 +16,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Genera
         p = seq.params
         if p.temperature >= GREEDY_BELOW:
             gen = seq.generator if seq.generator is not None else default_gen
-            out[i] = _sample_row(logits[i], p.temperature, p.top_p, gen)
+            out[i] = _sample_row(_top_k(logits[i], p.top_k), p.temperature, p.top_p, gen)
     return out
+
+
+def _top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Only the k most likely tokens stay candidates (k <= 0: all)."""
+    if k <= 0 or k >= logits.numel():
+        return logits
+    kth = logits.topk(k).values[-1]
+    return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:

@@ -16,6 +16,7 @@ class SamplingParams:
 
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1): every token
     max_tokens: int = 64
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
@@ -26,6 +27,8 @@ class SamplingParams:
             raise ConfigError(f"sampling.temperature must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"sampling.top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ConfigError(f"sampling.top_k must be an int >= -1 (0 or -1: off), got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"sampling.max_tokens must be a positive int, got {self.max_tokens!r}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)

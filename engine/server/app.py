@@ -67,17 +67,18 @@ def build_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "tierkv", "max_model_len": state.llm.max_model_len}]}
 
+    # Tokenizing runs off the event loop: a 4M-token prompt held every other client's stream for 12 s.
     @app.post("/v1/chat/completions")
-    async def chat(body: api.ChatCompletionRequest) -> Response:
+    async def chat(body: api.ChatCompletionRequest, request: Request) -> Response:
         messages = [_template_message(m) for m in body.messages]
-        ids = state.llm.apply_chat_template(messages)
+        ids = await asyncio.to_thread(state.llm.apply_chat_template, messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await _complete(state, body, [ids], max_tokens, "chat.completion", "chatcmpl", messages)
+        return await _complete(state, request, body, [ids], max_tokens, "chat.completion", "chatcmpl", messages)
 
     @app.post("/v1/completions")
-    async def completions(body: api.CompletionRequest) -> Response:
-        prompts = [_prompt_ids(state.llm, p) for p in body.prompts()]
-        return await _complete(state, body, prompts, body.max_tokens or 16, "text_completion", "cmpl", None)
+    async def completions(body: api.CompletionRequest, request: Request) -> Response:
+        prompts = [await asyncio.to_thread(_prompt_ids, state.llm, p) for p in body.prompts()]
+        return await _complete(state, request, body, prompts, body.max_tokens or 16, "text_completion", "cmpl", None)
 
     @app.post("/v1/sessions/{session_id}/prefetch")
     async def prefetch(session_id: str) -> dict:
@@ -93,8 +94,8 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def _complete(state: ServerState, body: api._Common, prompts: list[list[int]], max_tokens: int | None,
-                    kind: str, id_prefix: str, messages: list[dict] | None) -> Response:
+async def _complete(state: ServerState, request: Request, body: api._Common, prompts: list[list[int]],
+                    max_tokens: int | None, kind: str, id_prefix: str, messages: list[dict] | None) -> Response:
     if body.model != state.model_name:
         raise BadRequest(f"The model `{body.model}` does not exist.", 404, "model_not_found", "model")
     hint = _hint(state, body.kv_transfer_params)
@@ -109,16 +110,41 @@ async def _complete(state: ServerState, body: api._Common, prompts: list[list[in
         return StreamingResponse(_sse(state, gen, body, kind, rid, hint, messages), media_type="text/event-stream")
     texts = [""] * len(params)
     reasons: list[str | None] = [None] * len(params)
-    try:
+
+    async def collect() -> None:
         async for d in gen.deltas():
             texts[d.index] += d.text
             reasons[d.index] = d.finish_reason or reasons[d.index]
+    try:
+        if not await _unless_gone(request, collect()):
+            return Response(status_code=499)  # nobody reads it: the engine stopped at the client's leaving
     except EngineFailed as e:
         raise BadRequest(str(e), 500, "engine_error") from None
     extra = await _finish(state, gen, hint, messages, texts)
     choose = api.chat_choice if kind == "chat.completion" else api.text_choice
     choices = [choose(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons))]
-    return JSONResponse(api.envelope(kind, rid, state.model_name, choices, _usage(gen), extra))
+    return JSONResponse(api.envelope(kind, rid, state.model_name, choices, _usage(gen, body.n), extra))
+
+
+async def _unless_gone(request: Request, work) -> bool:
+    """Run `work` unless the client disconnects first (then it is cancelled, which aborts its
+    sequences): Starlette cancels a streamed response's generator, not a handler, and a client
+    that timed out (and retried) had each of its requests generate to the end for nobody."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+    if not task.done() or task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)  # its abort runs before we answer
+        return False
+    task.result()  # its exception, if any
+    return True
 
 
 async def _sse(state: ServerState, gen: Generation, body: api._Common, kind: str, rid: str,
@@ -144,7 +170,7 @@ async def _sse(state: ServerState, gen: Generation, body: api._Common, kind: str
         return
     extra = await _finish(state, gen, hint, messages, texts)
     if body.include_usage:
-        yield _event(api.envelope(chunk_kind, rid, state.model_name, [], _usage(gen), extra))
+        yield _event(api.envelope(chunk_kind, rid, state.model_name, [], _usage(gen, body.n), extra))
     yield "data: [DONE]\n\n"
 
 
@@ -180,11 +206,11 @@ def _prefetch(state: ServerState, session: str) -> None:
         state.metrics.hint_errors.inc()
 
 
-def _usage(gen: Generation) -> dict:
-    outs = gen.outputs
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    cached = sum(o.num_cached_tokens + o.num_local_cached_tokens for o in outs)
-    return api.usage(prompt, sum(len(o.token_ids) for o in outs), cached)
+def _usage(gen: Generation, n: int) -> dict:
+    """Prompt tokens count once per prompt, not per choice (as OpenAI and vLLM count them)."""
+    outs, prompts = gen.outputs, gen.outputs[::n]
+    cached = sum(o.num_cached_tokens + o.num_local_cached_tokens for o in prompts)
+    return api.usage(sum(len(o.prompt_token_ids) for o in prompts), sum(len(o.token_ids) for o in outs), cached)
 
 
 def _event(obj: dict) -> str:
@@ -221,8 +247,9 @@ def _sampling(llm: LLM, body: api._Common, prompt_len: int, max_tokens: int | No
                          f"in the completion).", code="context_length_exceeded", param="max_tokens")
     seed = None if body.seed is None else (body.seed + seed_offset) % 2**64  # choice k of n: seed + k, as a u64
     return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                          top_p=1.0 if body.top_p is None else body.top_p, max_tokens=max_tokens or room,
-                          seed=seed, ignore_eos=body.ignore_eos)
+                          top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                          max_tokens=max_tokens or room, seed=seed, ignore_eos=body.ignore_eos,
+                          stop_token_ids=tuple(body.stop_token_ids or ()))
 
 
 def _errors(app: FastAPI) -> None:
@@ -241,3 +268,8 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         return JSONResponse(api.error_body(str(e.detail)), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, e: Exception) -> JSONResponse:  # OpenAI's body, not a plain-text 500
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(api.error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)

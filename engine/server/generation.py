@@ -5,7 +5,8 @@ strings applied, and their metrics recorded.
 The engine thread calls back with `Update`s; they are hopped onto the
 server's event loop and read from one queue, tagged by choice index. A
 request whose client goes away (the task is cancelled) is aborted in the
-engine, so it stops taking a batch slot.
+engine, so it stops taking a batch slot, and its choices are recorded in the
+metrics as finished by "abort" once the engine's last update for each arrives.
 """
 from __future__ import annotations
 
@@ -47,13 +48,14 @@ class Generation:
         self._requests: list[Request] = []
         self._last = [0.0] * len(prompts)
         self.outputs: list[RequestOutput | None] = [None] * len(prompts)
+        self._abandoned = False  # the reader went away: last updates go to the metrics only
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Each choice's text as it is released, then its finish; aborts what is left when cancelled."""
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()
         for i, (ids, sp) in enumerate(zip(self._prompts, self._params)):
-            emit = (lambda u, i=i: aio.call_soon_threadsafe(queue.put_nowait, (i, u)))
+            emit = (lambda u, i=i: aio.call_soon_threadsafe(self._deliver, queue, i, u))
             self._requests.append(self.loop.submit(ids, sp, emit))
             self._last[i] = time.perf_counter()
         left = len(self._requests)
@@ -67,8 +69,19 @@ class Generation:
                     yield delta
         finally:
             if left:
+                self._abandoned = True
+                while not queue.empty():
+                    self._deliver(queue, *queue.get_nowait())
                 for req in self._requests:
                     self.loop.abort(req)
+
+    def _deliver(self, queue: asyncio.Queue, i: int, u: Update) -> None:
+        """On the event loop: an update to read, or, once the reader went away, a last one to count."""
+        if not self._abandoned:
+            queue.put_nowait((i, u))
+        elif u.output is not None and self.outputs[i] is None:
+            self.outputs[i] = u.output
+            self.metrics.finished(u.output, "abort")
 
     def _apply(self, i: int, u: Update) -> Delta:
         if u.error is not None:

@@ -1,8 +1,10 @@
 """The OpenAI API's request and response shapes, as `tierkv serve-engine` speaks them.
 
 Requests are pydantic models (unknown fields are ignored, as OpenAI's
-clients send fields servers may not know); responses are built as plain
-dicts in the API's documented shape. Errors use OpenAI's error body.
+clients send fields servers may not know; a known field this server cannot
+honour is refused with a 400 when set to anything but its no-op value, never
+silently ignored); responses are built as plain dicts in the API's
+documented shape. Errors use OpenAI's error body.
 """
 from __future__ import annotations
 
@@ -10,7 +12,12 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# known fields this server does not implement -> their no-op values (vLLM's extensions among them)
+UNSUPPORTED = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+               "logit_bias": ({},), "min_tokens": (0,), "suffix": ("",), "tools": ([],),
+               "response_format": ({"type": "text"},)}
 
 
 class StreamOptions(BaseModel):
@@ -30,8 +37,28 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=16)
     ignore_eos: bool = False  # vLLM's extension, for benchmarks
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 is off
+    stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM's extension
+    best_of: int | None = Field(None, ge=1)
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's field; our session hints live under "tierkv"
     logprobs: bool | int | None = None  # not supported: refused rather than silently ignored
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, noop in UNSUPPORTED.items():
+                if data.get(name) is not None and data[name] not in noop:
+                    raise ValueError(f"{name} is not supported by this server")
+            if _lone_surrogate(data):  # valid JSON ("\ud83d"), not text: the tokenizer raised on it
+                raise ValueError("strings must be valid Unicode (a lone UTF-16 surrogate was sent)")
+        return data
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> "_Common":
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported by this server")
+        return self
 
     @field_validator("logprobs")
     @classmethod
@@ -103,6 +130,18 @@ class CompletionRequest(_Common):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         return list(p)
+
+
+def _lone_surrogate(v: Any) -> bool:
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(v, dict):
+        return any(_lone_surrogate(k) or _lone_surrogate(x) for k, x in v.items())
+    return isinstance(v, list) and any(_lone_surrogate(x) for x in v)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,

@@ -1,6 +1,7 @@
 """`tierkv serve-engine` as a real subprocess, and the official `openai` client pointed at it."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,6 +59,16 @@ class EngineServer:
         req = urllib.request.Request(self.base_url + path, data=b"", method="POST")
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.read().decode()
+
+    def post_json(self, path: str, body: dict) -> tuple[int, str]:
+        """(status, body) of a POST of `body` as JSON (ASCII-escaped, as any client may send it)."""
+        req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
 
     def _wait_healthy(self) -> None:
         try:

@@ -10,6 +10,7 @@ blocks of 16 tokens), so other traffic evicts what is not pinned.
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -142,6 +143,17 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server):
         client.chat.completions.create(model=MODEL, messages=hi, logprobs=True)
     with pytest.raises(openai.BadRequestError, match="echo is not supported"):
         client.completions.create(model=MODEL, prompt="hi", echo=True)
+    for field, value in (("frequency_penalty", 2.0), ("presence_penalty", 1.0), ("logit_bias", {"5": -100}),
+                         ("best_of", 3)):
+        with pytest.raises(openai.BadRequestError, match=f"{field}[a-z ]* not supported"):
+            client.completions.create(model=MODEL, prompt="hi", **{field: value})
+    with pytest.raises(openai.BadRequestError, match="min_tokens is not supported"):
+        ask(client, hi, min_tokens=5)
+    # A lone UTF-16 surrogate (valid JSON, not text) is a 400 in a prompt, a message and a model name.
+    for body in ({"model": MODEL, "prompt": "\ud83d"}, {"model": "\ud83d", "prompt": "hi"}):
+        assert server.post_json("/v1/completions", body)[0] == 400
+    assert server.post_json("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "\ud83d"}]})[0] == 400
     # A seed past int64 and a text part that is no string are 400s too (they were 500s).
     with pytest.raises(openai.BadRequestError, match="seed"):
         client.chat.completions.create(model=MODEL, messages=hi, seed=2**64)
@@ -162,3 +174,58 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server):
         assert name in metrics, name
     # Prefetch of an unknown session queues nothing; of a recorded one, what is below the top tier.
     assert json.loads(server.post("/v1/sessions/nobody/prefetch"))["queued_blocks"] == 0
+
+
+def test_sampling_extensions_and_usage_per_prompt(server):
+    client = server.client()
+    prompt = "The capital of France is"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    first = greedy.choices[0].text
+    # top_k=1 samples the most likely token whatever the temperature: the greedy answer.
+    hot = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.5, seed=7,
+                                    extra_body={"top_k": 1})
+    assert hot.choices[0].text == first
+    # stop_token_ids stops at the first of them the model picks.
+    from transformers import AutoTokenizer
+
+    stop_id = AutoTokenizer.from_pretrained(str(resolve_model(MODEL)), local_files_only=True).encode(first)[1]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"stop_token_ids": [stop_id]})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 2
+    assert first.startswith(cut.choices[0].text) and len(cut.choices[0].text) < len(first)
+    # n choices of one prompt count its tokens once, as OpenAI and vLLM do.
+    many = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, n=4)
+    assert many.usage.prompt_tokens == greedy.usage.prompt_tokens
+    assert many.usage.completion_tokens == 4 * 3
+
+
+def test_a_client_that_leaves_stops_its_generation_and_it_is_counted(server):
+    import http.client
+    import socket
+
+    def requests_total() -> float:
+        return sum(float(line.split()[-1]) for line in server.get("/metrics").splitlines()
+                   if line.startswith("tierkv_engine_requests_total{"))
+
+    def running() -> float:
+        return next(float(line.split()[-1]) for line in server.get("/metrics").splitlines()
+                    if line.startswith("tierkv_engine_num_requests_running"))
+    before = requests_total()
+    for stream in (False, True):
+        # A long generation, whose client goes away before it ends (a timeout, a closed tab).
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 3000, "temperature": 0,
+                "ignore_eos": True, "stream": stream}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        deadline = time.monotonic() + 60
+        while running() < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert running() == 1
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        # The engine stops generating for it, and the metrics count it, finished by "abort".
+        deadline = time.monotonic() + 60
+        while running() > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert running() == 0
+    assert 'finish_reason="abort"' in server.get("/metrics") and requests_total() == before + 2

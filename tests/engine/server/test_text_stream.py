@@ -38,3 +38,19 @@ def test_a_stop_string_ends_the_output_before_it_even_across_tokens(tokenizer):
     assert stream.stopped
     # Tokens after the stop add nothing.
     assert stream.feed(tokenizer.encode(" more")) == ""
+
+
+def test_each_token_decodes_a_few_ids_not_the_whole_output(tokenizer):
+    # Count the ids the stream asks the tokenizer to decode over a 2,000-token answer.
+    decoded = []
+
+    class Counting:
+        def decode(self, ids, **kw):
+            decoded.append(len(ids))
+            return tokenizer.decode(ids, **kw)
+    ids = tokenizer.encode("word " * 2000)[:2000]
+    stream = TextStream(Counting())
+    deltas = [stream.feed([t]) for t in ids]
+    # The text is whole, and the work per token is bounded (decoding all ids each time was 2M ids).
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert sum(decoded) < 20 * len(ids)
