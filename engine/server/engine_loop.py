@@ -86,16 +86,14 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._closed:
-            self._take_inbox(wait=not self.llm.has_work())
-            if not self.llm.has_work():
-                continue
-            try:
-                self.llm.step()
-            except Exception as e:  # dispatch boundary: fail the live requests, keep serving
+            try:  # dispatch boundary: fail the live requests, keep serving (a dead thread left them all hanging)
+                self._take_inbox(wait=not self.llm.has_work())
+                if self.llm.has_work():
+                    self.llm.step()
+                    self._publish()
+            except Exception as e:
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {e}")
-                continue
-            self._publish()
         self._fail_all("the engine is shutting down")
 
     def _take_inbox(self, wait: bool) -> None:
@@ -127,15 +125,19 @@ class EngineLoop:
             out = req.seq.output_token_ids
             new, req.sent = out[req.sent:], len(out)
             if req.seq.is_finished:
+                update = Update(new, self.llm.output(req.seq))  # before it leaves: a failure here fails it too
                 self._live.remove(req)
-                self._emit(req, Update(new, self.llm.output(req.seq)))
+                self._emit(req, update)
             elif new:
                 self._emit(req, Update(new))
 
     def _fail_all(self, why: str) -> None:
         for req in self._live:
-            if req.seq is not None:
-                self.llm.scheduler.abort(req.seq)
+            try:
+                if req.seq is not None:
+                    self.llm.scheduler.abort(req.seq)
+            except Exception:  # its pages may stay taken; the request still gets its answer
+                log.exception("aborting a failed request")
             self._emit(req, Update([], error=why))
         self._live.clear()
 
