@@ -210,7 +210,8 @@ def _usage(gen: Generation, n: int) -> dict:
     """Prompt tokens count once per prompt, not per choice (as OpenAI and vLLM count them)."""
     outs, prompts = gen.outputs, gen.outputs[::n]
     cached = sum(o.num_cached_tokens + o.num_local_cached_tokens for o in prompts)
-    return api.usage(sum(len(o.prompt_token_ids) for o in prompts), sum(len(o.token_ids) for o in outs), cached)
+    made = sum(gen.completion_tokens(i) for i in range(len(outs)))
+    return api.usage(sum(len(o.prompt_token_ids) for o in prompts), made, cached)
 
 
 def _event(obj: dict) -> str:

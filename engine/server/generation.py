@@ -75,6 +75,12 @@ class Generation:
                 for req in self._requests:
                     self.loop.abort(req)
 
+    def completion_tokens(self, i: int) -> int:
+        """Choice i's tokens up to the one that completed its stop string (the engine, aborted a step
+        later, may have made more)."""
+        made, stream = len(self.outputs[i].token_ids), self._streams[i]
+        return min(made, len(stream.ids)) if stream.stopped else made
+
     def _deliver(self, queue: asyncio.Queue, i: int, u: Update) -> None:
         """On the event loop: an update to read, or, once the reader went away, a last one to count."""
         if not self._abandoned:

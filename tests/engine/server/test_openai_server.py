@@ -122,6 +122,11 @@ def test_streaming_matches_the_whole_answer_and_reports_usage(server):
                                      stop=[" 9"])
     assert done.choices[0].finish_reason == "stop" and "9" not in done.choices[0].text
     assert done.choices[0].text.startswith(" 7, 8,")
+    # Its usage counts the tokens up to the one that completed the stop string, not those the engine
+    # made before its abort arrived.
+    upto = next(m for m in range(1, 21) if " 9" in client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4, 5, 6,", max_tokens=m, temperature=0).choices[0].text)
+    assert done.usage.completion_tokens == upto
 
 
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(server):
