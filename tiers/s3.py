@@ -101,7 +101,8 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
         self._namespaces: dict[str, int] = {}  # namespaces seen or noted (-> object bytes, 0: unknown), most recent last
         self._used = self._reserved = 0
         self._ready = self._closed = False  # _ready: bucket checked/created
-        self._ticked = -UNTICKED_S  # when the writer's tick last ran (it probes S3 after a pause)
+        self._ticked = -UNTICKED_S  # when the writer's tick last ended (it probes S3 after a pause)
+        self._probing = False  # a tick's probe is out (against a silent S3 it takes a read timeout)
         self._warn = Throttled(log)
         self._open()
 
@@ -124,8 +125,7 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
             return [known] if known else list(reversed(self._namespaces))
 
     def _open(self) -> None:
-        """Make sure the bucket exists and index what it holds. An unreachable
-        endpoint is an outage, not an error: the tier starts empty and retries."""
+        """Make sure the bucket exists and index what it holds (unreachable: an outage; starts empty, retries)."""
         try:
             self._ensure_bucket()
         except (BotoCoreError, ClientError) as e:
@@ -138,8 +138,7 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
         self._index_listing()
 
     def _index_listing(self) -> None:
-        """Count every block under the prefix this tier does not know yet
-        (all of them at open; after an outage at open, those written before it)."""
+        """Count every block under the prefix this tier does not know yet (at open, or after an outage at open)."""
         found = self._list()
         with self._lock:
             new = {h: v for h, v in found.items() if h not in self._index}
@@ -162,8 +161,7 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
         self._namespaces.setdefault(ns, 0)
 
     def _list(self) -> dict[BlockHash, tuple[int, int, str]]:
-        """hash -> (size, last-modified ns, namespace hex) of every block under
-        the prefix; a listing cut short by a failure keeps what it got."""
+        """hash -> (size, last-modified ns, namespace hex) under the prefix; a listing cut short keeps what it got."""
         found: dict[BlockHash, tuple[int, int, str]] = {}
         try:
             for h, size, mtime, ns in s3_io.list_blocks(self._client, self.bucket, self.prefix):
@@ -219,8 +217,7 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
             return False
 
     def _forget(self, hashes: Iterable[BlockHash]) -> int:
-        """Drop blocks from this node's view (caller holds the lock); returns
-        how many it knew of."""
+        """Drop blocks from this node's view (caller holds the lock); returns how many it knew of."""
         known = nbytes = counted = 0
         for h in hashes:
             e = self._index.pop(h, None)
@@ -294,8 +291,7 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
         return gone
 
     def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
-        """Whether each block is known to be in the bucket (no request made;
-        see the module docstring)."""
+        """Whether each block is known to be in the bucket (no request made; see the module docstring)."""
         with self._lock:
             return [h in self._index or h in self._foreign for h in hashes]
 
@@ -335,33 +331,39 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
 
     def tick(self) -> None:
         """After a pause, probe S3 (a HEAD of the bucket, on the writer's thread) before loads go back to it."""
-        self._ticked = time.monotonic()
-        if self._outage.confirmed() or self._probe():
-            super().tick()
-
-    def _probe(self) -> bool:
-        if not self._usable():  # checks the bucket and lists it, if open could not
-            return False
         try:
+            if self._outage.confirmed() or self._probe():
+                super().tick()
+        finally:
+            self._ticked = time.monotonic()
+
+    def _probe(self) -> bool:  # False: S3 did not answer
+        self._probing = True
+        try:
+            if not self._usable():  # checks the bucket and lists it, if open could not
+                return False
             self._reader.head_bucket(Bucket=self.bucket)
         except (BotoCoreError, ClientError) as e:
             self._fail("probe", self.bucket, e)
-            return False
+            if looks_down(e):
+                return False  # a 403 or a 404 is an answer: S3 is there, whatever it thinks of the bucket
+        finally:
+            self._probing = False
         self._outage.answered()
         return True
 
     def _readable(self) -> bool:
         """Loads run on the engine's time (one probing a silent S3 waited out a read timeout): while S3
-        has not answered since the last pause they miss, and the writer's tick probes (a tier no writer
-        ticks probes with its loads)."""
-        ok = (self._outage.confirmed() or time.monotonic() - self._ticked >= UNTICKED_S) and self._usable()
+        has not answered since the last pause they miss and the writer's tick probes (loads probe once
+        no tick came for UNTICKED_S since the pause ended: a tier no writer ticks)."""
+        unticked = time.monotonic() - max(self._ticked, self._outage.ended()) >= UNTICKED_S and not self._probing
+        ok = (self._outage.confirmed() or unticked) and self._usable()
         if not ok:
             self.stats.add(errors=1)
         return ok
 
     def _usable(self) -> bool:
-        """False while S3 is being left alone after a failure; checks the
-        bucket first if that has not succeeded yet."""
+        """False while S3 is being left alone after a failure; checks the bucket first if not done yet."""
         if not self.available():
             return False
         if not self._ready:
@@ -378,8 +380,7 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
         return True
 
     def _fail(self, op: str, what: str, e: Exception, trip: bool = True) -> None:
-        """Count and log a failed request; leave S3 alone for a while if it
-        looks down (transport failure or 5xx) rather than wrong for one key."""
+        """Count and log a failed request; leave S3 alone for a while if it looks down (transport, 5xx)."""
         self.stats.add(errors=1)
         if trip and looks_down(e):
             self._outage.trip()

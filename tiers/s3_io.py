@@ -87,6 +87,10 @@ class Outage:
         """S3 answered a request since the last pause began (or never paused)."""
         return self._answered
 
+    def ended(self) -> float:
+        """When the last pause ended (or ends): time.monotonic()'s clock."""
+        return self._down_until
+
     def trip(self) -> None:
         """A failure that looks like an outage: leave S3 alone for a while."""
         now = time.monotonic()

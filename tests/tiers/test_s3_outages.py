@@ -160,9 +160,12 @@ def test_loads_try_once_and_writes_retry(moto):
     tier.close()
 
 
-def test_loads_leave_an_s3_gone_silent_to_the_writers_probe(moto):
+def test_loads_leave_an_s3_gone_silent_to_the_writers_probe(moto, monkeypatch):
+    import threading
+
     from botocore.exceptions import ReadTimeoutError
 
+    monkeypatch.setattr("tiers.s3.UNTICKED_S", 0.3)
     tier = tier_on(moto, f"tkv-{uuid.uuid4().hex[:16]}", retry_after_s=0.2)
     a = keys(1)[0]
     assert tier.put_many([a], [block(a)]) == [True]
@@ -170,32 +173,41 @@ def test_loads_leave_an_s3_gone_silent_to_the_writers_probe(moto):
     asked = []
     real_get, real_head = tier._reader.get_object, tier._reader.head_bucket
 
-    def silent(**kw):  # a black hole: every request waits out the read timeout
+    def silent(**kw):  # a black hole: every request waits out its read timeout (0.5 s here)
         asked.append(kw)
+        time.sleep(0.5)
         raise ReadTimeoutError(endpoint_url=moto.url)
     tier._reader.get_object = tier._reader.head_bucket = silent
     # The first load finds S3 silent: a miss, and S3 is left alone.
     assert tier.get_many([a]) == [None] and not tier.available() and len(asked) == 1
-    # The pause ends: loads (on the engine's time) do not probe; the writer's tick does, and fails.
+    # The pause ends: the writer's tick probes (and waits out the timeout); loads meanwhile miss at once.
     time.sleep(0.25)
-    assert tier.available() and tier.get_many([a]) == [None] and len(asked) == 1
-    tier.tick()
-    assert len(asked) == 2 and not tier.available()
-    # S3 answers again: the tick's probe sees it, and loads go back to S3.
-    tier._reader.get_object, tier._reader.head_bucket = real_get, real_head
-    time.sleep(0.45)
-    assert tier.get_many([a]) == [None]
+    probe = threading.Thread(target=tier.tick)
+    probe.start()
+    time.sleep(0.4)
+    assert tier.get_many([a]) == [None] and len(asked) == 2
+    probe.join()
+    assert not tier.available()
+    # The next pause ends: still no load goes to S3 until a tick's probe saw it answer.
+    while not tier.available():
+        time.sleep(0.02)
+    assert tier.get_many([a]) == [None] and len(asked) == 2
+    # S3 answers again (a 403 to the HEAD is an answer too): the tick sees it, and loads go back to S3.
+    tier._reader.get_object = real_get
+    tier._reader.head_bucket = lambda **kw: (_ for _ in ()).throw(error(403, "AccessDenied"))
     tier.tick()
     assert tier.get_many([a])[0] is not None
+    tier._reader.head_bucket = real_head
     tier.close()
 
 
-def test_a_tier_no_writer_ticks_probes_with_its_loads(moto):
+def test_a_tier_no_writer_ticks_probes_with_its_loads(moto, monkeypatch):
+    monkeypatch.setattr("tiers.s3.UNTICKED_S", 0.3)
     tier = tier_on(moto, f"tkv-{uuid.uuid4().hex[:16]}", retry_after_s=0.2)
     a = keys(1)[0]
     assert tier.put_many([a], [block(a)]) == [True]
-    # Left alone after a failure, with no tick since: once the pause ends, a load finds out S3 is back.
+    # Left alone after a failure, and no tick came since the pause ended: a load finds out S3 is back.
     tier._outage.trip()
-    time.sleep(0.25)
+    time.sleep(0.2 + 0.35)
     assert tier.get_many([a])[0] is not None
     tier.close()
