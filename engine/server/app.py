@@ -140,8 +140,8 @@ async def _unless_gone(request: Request, work) -> bool:
         for t in (task, watch):
             if not t.done():
                 t.cancel()
-    if not task.done() or task.cancelled():
-        await asyncio.gather(task, return_exceptions=True)  # its abort runs before we answer
+        await asyncio.gather(task, watch, return_exceptions=True)  # the work's abort runs before we answer, or go
+    if task.cancelled():
         return False
     task.result()  # its exception, if any
     return True

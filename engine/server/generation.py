@@ -87,7 +87,7 @@ class Generation:
             queue.put_nowait((i, u))
         elif u.output is not None and self.outputs[i] is None:
             self.outputs[i] = u.output
-            self.metrics.finished(u.output, "abort")
+            self.metrics.finished(u.output, u.output.finish_reason or "abort")
 
     def _apply(self, i: int, u: Update) -> Delta:
         if u.error is not None:
@@ -97,7 +97,10 @@ class Generation:
             self._last[i] = u.at
         stream = self._streams[i]
         was_stopped = stream.stopped
-        text = stream.feed(u.new_token_ids, final=u.output is not None)
+        ids = u.new_token_ids
+        if u.output is not None and u.output.finish_reason == "stop" and ids and ids[-1] in self._params[i].stop_token_ids:
+            ids = ids[:-1]  # a stop token's text is not output (as in vLLM); it counts as generated
+        text = stream.feed(ids, final=u.output is not None)
         if stream.stopped and not was_stopped and u.output is None:
             self.loop.abort(self._requests[i])  # a stop string: the engine need not go on
         if u.output is None:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # known fields this server does not implement -> their no-op values (vLLM's extensions among them)
 UNSUPPORTED = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
                "logit_bias": ({},), "min_tokens": (0,), "suffix": ("",), "tools": ([],),
-               "response_format": ({"type": "text"},)}
+               "response_format": ({"type": "text"},), "cache_salt": ("",)}
 
 
 class StreamOptions(BaseModel):
@@ -141,7 +141,8 @@ def _lone_surrogate(v: Any) -> bool:
         return False
     if isinstance(v, dict):
         return any(_lone_surrogate(k) or _lone_surrogate(x) for k, x in v.items())
-    return isinstance(v, list) and any(_lone_surrogate(x) for x in v)
+    # a list of token ids is walked no further than its first element (a 4M-id prompt: 0.5 s of the loop)
+    return isinstance(v, list) and bool(v) and not isinstance(v[0], int) and any(_lone_surrogate(x) for x in v)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,

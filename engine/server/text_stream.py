@@ -48,7 +48,9 @@ class TextStream:
         decode = self.tokenizer.decode
         head = decode(self.ids[start:self._done_ids], skip_special_tokens=True)
         tail = decode(self.ids[start:], skip_special_tokens=True)
-        if tail.startswith(head) and not head.endswith("\ufffd"):
+        # an empty context (special tokens only) is no context: a Metaspace decoder (Llama, Mistral) drops
+        # the space of a window's first word, as at the start of a text
+        if (head or start == 0) and tail.startswith(head) and not head.endswith("\ufffd"):
             full = self._done + tail[len(head):]
         else:  # the new ids changed how the context renders: once, the whole text
             full = decode(self.ids, skip_special_tokens=True)

@@ -54,3 +54,21 @@ def test_each_token_decodes_a_few_ids_not_the_whole_output(tokenizer):
     # The text is whole, and the work per token is bounded (decoding all ids each time was 2M ids).
     assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
     assert sum(decoded) < 20 * len(ids)
+
+
+def test_a_window_of_special_tokens_keeps_the_space_of_a_metaspace_tokenizers_next_word():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # A SentencePiece-style (Metaspace: Llama, Mistral) tokenizer, whose decoder drops a text's first space.
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, "▁Hello": 4, "▁world": 5, "!": 6}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>")
+    # A word, more special tokens than the stream's context window, then the next word.
+    ids = [4] + [3] * 8 + [5, 6]
+    stream = TextStream(tok)
+    text = "".join(stream.feed([t], final=k == len(ids) - 1) for k, t in enumerate(ids))
+    assert text == tok.decode(ids, skip_special_tokens=True) == "Hello world!"
