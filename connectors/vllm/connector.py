@@ -37,18 +37,16 @@ Start vLLM with::
 
 The namespace (`connectors.model_id.kv_namespace`) is derived from what vLLM runs: model id
 (`model_id_for_dir` for a local directory, else the model name and revision), KV dtype,
-attention layers, KV heads per TP rank, head dim, TP rank/world. Requests with LoRA adapters,
-multimodal inputs or prompt embeddings are neither looked up nor saved (their KV depends on
-more than token ids).
+attention layers, KV heads per TP rank, head dim, TP rank/world. Requests with LoRA adapters, multimodal
+inputs or prompt embeddings are neither looked up nor saved (their KV depends on more than token ids).
 
 Roles: vLLM builds one instance for the scheduler and one per worker; the scheduler side
 (`connectors/vllm/scheduler.py`) plans, the worker side (`worker.py`) copies; one client per URL and process.
 
-Layouts: the store always holds the canonical block layout of
-docs/hash-spec.md. vLLM's CPU attention packs each page per ISA (K transposed
-for AVX-512/NEON, tiles for AMX); the worker learns that packing at startup
-from vLLM's own cache writer (`learn_cpu_page_layout`), so KV written by
-vLLM on one CPU is readable by our engine and by vLLM on another CPU.
+Layouts: the store always holds the canonical block layout of docs/hash-spec.md. vLLM's CPU
+attention packs each page per ISA (K transposed for AVX-512/NEON, tiles for AMX); the worker
+learns that packing at startup from vLLM's own cache writer (`learn_cpu_page_layout`), so KV
+written by vLLM on one CPU is readable by our engine and by vLLM on another CPU.
 """
 from __future__ import annotations
 
@@ -185,13 +183,15 @@ def _write_tokens(isa: str, layer: torch.Tensor, key: torch.Tensor, value: torch
     ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa)
 
 
-def _tp_rank() -> int:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def _tp() -> tuple[int, Any]:
+    """This worker's TP rank and, with more than one rank, the (gloo) group its ranks agree over."""
+    from vllm.distributed.parallel_state import get_tp_group
 
     try:
-        return get_tensor_model_parallel_rank()
+        group = get_tp_group()
     except AssertionError:  # no TP group: a single worker
-        return 0
+        return 0, None
+    return group.rank_in_group, (group.cpu_group if group.world_size > 1 else None)
 
 
 def _request_tenant(request: "Request", tenant: str) -> str | None:
@@ -232,8 +232,8 @@ class TierKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.cfg = TierKVConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         is_worker = role == KVConnectorRole.WORKER
-        self.ns, self.page_tokens = build_namespace(vllm_config, kv_cache_config, self.cfg,
-                                                    _tp_rank() if is_worker else 0)
+        rank, ranks = _tp() if is_worker else (0, None)
+        self.ns, self.page_tokens = build_namespace(vllm_config, kv_cache_config, self.cfg, rank)
         self.client = acquire(self.cfg.url, worker=is_worker, instance=_instance(vllm_config, self.cfg.url))
         auto = vllm_config.device_config.device_type != "cpu"
         self.async_save = self.cfg.async_save if isinstance(self.cfg.async_save, bool) else auto
@@ -246,7 +246,7 @@ class TierKVConnector(KVConnectorBase_V1):
         if self.client is None:
             return
         if is_worker:
-            self.worker = WorkerSide(self.client, self.ns, self.page_tokens, async_save=self.async_save)
+            self.worker = WorkerSide(self.client, self.ns, self.page_tokens, self.async_save, ranks)
         else:
             # vLLM reads the policy after building the scheduler's connector
             self._kv_transfer_config.kv_load_failure_policy = self.cfg.load_failure
@@ -288,7 +288,7 @@ class TierKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if self.worker is not None and isinstance(meta, TierKVMetadata) and meta.saves:
-            self.worker.save(meta.saves, meta.heard)
+            self.worker.save(meta.saves, meta.heard, meta.step)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         saves = self.worker.saves if self.worker is not None else None

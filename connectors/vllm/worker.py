@@ -23,7 +23,9 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import Tensor
 
 from cache_service.blocks.keys import KV_DTYPES, Namespace
@@ -59,7 +61,8 @@ class WorkerStats:
 class WorkerSide:
     """Executes one step's `Transfer`s against the registered KV cache."""
 
-    def __init__(self, client: CacheClient, ns: Namespace, page_tokens: int, async_save: bool = False) -> None:
+    def __init__(self, client: CacheClient, ns: Namespace, page_tokens: int, async_save: bool = False,
+                 ranks: Any = None) -> None:
         self.client, self.ns, self.page = client, ns, page_tokens
         self.bt = ns.block_tokens
         self.kv: PagedKV | None = None
@@ -69,6 +72,7 @@ class WorkerSide:
         self._failed: dict[str, int] = {}  # req_id -> tokens actually loaded (this step)
         self._taint: int | None = None  # the last step in which a load failed here, until the scheduler heard of it
         self.failed_step = 0  # the step of the loads in `failed`
+        self._ranks = ranks  # the TP ranks' (gloo) group: a load failed on one taints them all
         self.saves = SaveQueue(self._save_one, self.stats) if async_save else None
 
     def register(self, kv_caches: dict[str, Tensor], cpu_layout: CpuPageLayout | None = None,
@@ -108,7 +112,8 @@ class WorkerSide:
                 self._invalid_pages.update(t.page_ids[first_bad:])
                 self.stats.pages_invalid += len(t.page_ids) - first_bad
                 self._failed[t.req_id] = good
-                self._taint, self.failed_step = step if self._taint is None else max(self._taint, step), step
+                self.taint(step)
+                self.failed_step = step
 
     def _load_one(self, t: Transfer) -> int:
         """Load tokens [t.start, t.end); returns the end of what was loaded."""
@@ -147,7 +152,11 @@ class WorkerSide:
         return out
 
     # --------------------------------------------------------------- saves
-    def save(self, transfers: list[Transfer], heard: int = 0) -> None:
+    def taint(self, step: int) -> None:
+        """Pages read in step `step` may be invalid: save nothing until the scheduler heard of it."""
+        self._taint = step if self._taint is None else max(self._taint, step)
+
+    def save(self, transfers: list[Transfer], heard: int = 0, step: int = 0) -> None:
         """Store the planned blocks (queued, when saves are asynchronous).
 
         After a load failed here, nothing is saved until a step planned once
@@ -157,7 +166,12 @@ class WorkerSide:
         (the failed one, one sharing its pages through vLLM's prefix cache,
         its next chunk planned before the failure was reported) and the
         store keeps the first copy of a block, so the recomputed KV could
-        never replace it. vLLM recomputes; what goes unsaved is a later miss."""
+        never replace it. vLLM recomputes; what goes unsaved is a later miss.
+        With tensor parallelism a failed load on any rank taints every rank
+        (`step`: this step's number): each rank's KV of the step went through
+        all-reduces over the failed rank's invalid pages."""
+        if self._ranks is not None and any_rank(self.failed_step == step, self._ranks):
+            self.taint(step)
         if self._tainted(heard):
             self.stats.blocks_unsaved += sum((t.end - t.start) // self.bt for t in transfers)
             if self.saves is not None:
@@ -196,6 +210,13 @@ class WorkerSide:
         self.stats.blocks_saved += n
         self.stats.blocks_new += int(new or 0)
         self.stats.bytes_saved += blocks.numel() * blocks.element_size()
+
+
+def any_rank(flag: bool, group: Any) -> bool:
+    """Whether `flag` holds on any rank of `group` (every rank calls this at the same point of a step)."""
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(t.item())
 
 
 def _run_save(save, t: Transfer, stats: WorkerStats) -> None:

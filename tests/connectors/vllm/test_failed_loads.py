@@ -212,3 +212,46 @@ def test_instances_whose_kv_differs_never_share_a_namespace(tmp_path):
     for extra in ({"sliding_window": 64}, {"attention_chunk_size": 256}):
         with pytest.raises(ConfigError, match="sliding-window"):
             fingerprint(_vllm("org/m", **extra))
+
+
+def _tp_rank(rank: int, root: str, out) -> None:
+    """One of two TP ranks (a process of its own, gloo): its own store and namespace, the same plan."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+    ns = dataclasses.replace(NS, tp_rank=rank, tp_world=2)
+    client = connect(f"local://{root}/store-{rank}")
+    x = tokens(100, 3)
+    hs = prefix_hashes(ns, x)[:4]
+    client.store(ns, hs, [torch.randn(ns.block_shape).to(torch.bfloat16) for _ in hs])
+    sched, pages = SchedulerSide(client, ns, PAGE), list(range(7))
+    sched.allocated("A", pages, sched.matched_tokens("A", x, 0, ""))
+    loads, saves = sched.plan([("A", 64, 36)], lambda r: pages)
+    if rank == 1:
+        client.delete(hs[2:3])  # this rank's copy of block 2 is gone before the load: only its load fails
+    cache = vllm_cache("flash", 8, PAGE, 7)
+    w = WorkerSide(client, ns, PAGE, ranks=dist.group.WORLD)
+    w.register(cache)
+    w.load(loads, sched.step)
+    compute(cache, [4, 5], BAD)  # the forward's all-reduces mix rank 1's invalid pages into every rank's KV
+    w.save(saves, sched.heard, sched.step)
+    out.put((rank, w.stats.blocks_saved, w.take_failed()))
+    client.close()
+    dist.destroy_process_group()
+
+
+def test_a_load_failed_on_one_tensor_parallel_rank_taints_every_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank, args=(r, str(tmp_path), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    # Rank 1's load failed (and it reports it); rank 0's succeeded, yet neither saved the step's KV.
+    assert got == [(0, 0, {}), (1, 0, {"A": 32})]
