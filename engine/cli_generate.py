@@ -148,13 +148,20 @@ def _session(args: argparse.Namespace, llm: LLM) -> tuple[SessionStore | None, S
     here; otherwise they are files next to the local store."""
     if not args.session:
         return None, None
+    if getattr(args, "raw", False):  # its prompt would leave out the session's history
+        raise TierKVError("--raw cannot continue a session: a session's turns go through the chat template")
     conn = getattr(llm, "kv_connector", None)
     sessions = session_manifests(args.kv_connector, args.config, getattr(conn, "client", None))
+    return sessions, _current(sessions, args, llm)
+
+
+def _current(sessions: SessionStore, args: argparse.Namespace, llm: LLM) -> Session:
+    """The session's manifest as saved now (another process may have added a turn since the last one)."""
     s = sessions.get(args.session, args.tenant) or Session(args.session, tenant=args.tenant,
                                                           block_tokens=args.block_tokens)
     if s.model_id and s.model_id != llm.model_id:
         raise TierKVError(f"session {args.session!r} belongs to model {s.model_id}, not {llm.model_id}")
-    return sessions, s
+    return s
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -181,6 +188,7 @@ def run_chat(args: argparse.Namespace) -> int:
             if not line.strip():
                 continue
             t = time.perf_counter()
+            session = _current(sessions, args, llm) if sessions is not None else session
             out = _turn(llm, conn, sessions, session, line.strip(), _params(args))
             _print_human(_summary(llm, conn, out))
             log.info("turn took %.2fs", time.perf_counter() - t)

@@ -50,7 +50,7 @@ from tiers.types import BlockHash, ConfigError
 
 log = logging.getLogger(__name__)
 S3 = "s3"  # the location of a block in the deployment's bucket
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")  # no braces: they would move hash slots
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")  # fullmatch  # no braces: they would move hash slots
 _BATCH = 512  # block updates per pipeline
 
 
@@ -82,7 +82,7 @@ class RedisDirectory:
         if bool(url) == bool(cluster_nodes):
             raise ConfigError("redis directory: give exactly one of url and cluster_nodes")
         for what, name in (("prefix", prefix), ("node_id", node_id or "x")):
-            if not _NAME.match(name):
+            if not _NAME.fullmatch(name):
                 raise ConfigError(f"redis directory: invalid {what} {name!r} (1-128 of [A-Za-z0-9._:/-])")
         if heartbeat_ttl_s <= 0 or block_ttl_s <= 0 or socket_timeout_s <= 0 or queue_limit <= 0:
             raise ConfigError("redis directory: ttls, timeout and queue_limit must be positive")

@@ -30,7 +30,7 @@ from cache_service.protocol.batches import per_bytes, split
 from cache_service.blocks.objects import HEADER_SIZE, adopt, object_size
 from cache_service.server.rpc import rpc
 from cache_service.server.stalls import StallGuard
-from cache_service.sessions.manifests import SessionManager, check_id
+from cache_service.sessions.manifests import SessionManager, check_id, check_ids
 from cache_service.sessions.quota import SessionQuota
 from cache_service.protocol.segment import DATA_OFFSET, host_id
 from cache_service.server.attachments import Attachments
@@ -270,10 +270,16 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     def SaveSession(self, request, context, tenant):
         s = session_from_pb(request.session)
         s.tenant = self.auth.resolve(tenant, s.tenant)
-        self.quota.admit(s.tenant, s.session_id)
+        check_ids(s.session_id, s.tenant)  # a refused id must not take a place in the quota
         ns = self._session_ns(request, tenant) if request.pin else None
-        self._in_session(self.sessions.save, s, ns, key_tenant=tenant, pin=request.pin,
-                         pin_ttl_s=request.pin_ttl_s if request.pin_ttl_s > 0 else None)
+        new = self.quota.admit(s.tenant, s.session_id)
+        try:
+            self._in_session(self.sessions.save, s, ns, key_tenant=tenant, pin=request.pin,
+                             pin_ttl_s=request.pin_ttl_s if request.pin_ttl_s > 0 else None)
+        except BaseException:
+            if new:
+                self.quota.forget(s.tenant, s.session_id)
+            raise
         return pb.SessionReply(session=session_to_pb(s), found=True)
 
     @rpc

@@ -43,6 +43,14 @@ class SessionError(TierKVError):
     """Unknown session, malformed id or unreadable manifest."""
 
 
+class DamagedManifest(SessionError):
+    """A manifest was read but is not one (not JSON, wrong field types, another session's)."""
+
+
+_TYPES = {"session_id": str, "tenant": str, "model_id": str, "namespace": str, "messages": list, "token_ids": list,
+          "updated_s": (int, float), "block_tokens": int, "pinned_until": (int, float), "pending_upload": bool}
+
+
 @dataclass(slots=True)
 class Session:
     """One conversation: what was said and the tokens its KV is keyed by."""
@@ -56,18 +64,28 @@ class Session:
     updated_s: float = 0.0
     block_tokens: int = 0  # 0: not recorded (the resuming engine's block size is used)
     pinned_until: float = 0.0  # epoch seconds; 0: not pinned
+    pending_upload: bool = False  # a copy (Redis's) of a manifest S3 refused: it waits in its node's files
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
 
     @classmethod
-    def from_json(cls, data: bytes | str, where: str) -> "Session":
-        """Parse a manifest; keys a newer version added are ignored."""
+    def from_json(cls, data: bytes | str, where: str, key: tuple[str, str] | None = None) -> "Session":
+        """Parse a manifest (DamagedManifest unless each field has its type and, given the `key`
+        (session id, tenant) it was stored under, it is that session's); newer versions' keys are ignored."""
         try:
             raw = json.loads(data)
-            return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
+            s = cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
         except (ValueError, TypeError) as e:
-            raise SessionError(f"unreadable session manifest {where}: {e}") from None
+            raise DamagedManifest(f"unreadable session manifest {where}: {e}") from None
+        bad = [k for k, t in _TYPES.items() if not isinstance(getattr(s, k), t) or getattr(s, k) is True and t is int]
+        bad += [] if all(isinstance(m, dict) for m in s.messages) else ["messages"]
+        bad += [] if all(type(t) is int for t in s.token_ids) else ["token_ids"]
+        if bad or (key is not None and key != (s.session_id, s.tenant)):
+            why = f"fields {sorted(set(bad))} of the wrong type" if bad else \
+                f"it is session {s.session_id!r} of tenant {s.tenant!r}"
+            raise DamagedManifest(f"unreadable session manifest {where}: {why}")
+        return s
 
 
 class Manifests(Protocol):
@@ -83,7 +101,7 @@ class Manifests(Protocol):
 
 
 def check_id(value: str, what: str = "session id") -> str:
-    if not isinstance(value, str) or not _ID.match(value):
+    if not isinstance(value, str) or not _ID.fullmatch(value):  # match's $ let a trailing newline through
         shown = repr(value[:64]) + (f"... ({len(value)} characters)" if len(value) > 64 else "") \
             if isinstance(value, str) else type(value).__name__  # not echoed whole: into logs and error replies
         raise SessionError(f"{what} {shown} must be 1-128 of [A-Za-z0-9._-], not starting with . or -")
@@ -110,7 +128,7 @@ class SessionStore:
         """The manifest, or None when the session does not exist."""
         path = self._path(tenant, session_id)
         try:
-            return Session.from_json(path.read_bytes(), str(path))
+            return Session.from_json(path.read_bytes(), str(path), (session_id, tenant))
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -139,6 +157,14 @@ class SessionStore:
             return True
         except FileNotFoundError:
             return False
+
+    def set_aside(self, session_id: str, tenant: str = "") -> None:
+        """Move a damaged manifest out of the way (kept beside, for inspection)."""
+        path = self._path(tenant, session_id)
+        try:
+            os.replace(path, path.with_name(f"{path.name}.damaged-{time.time_ns()}"))
+        except FileNotFoundError:
+            pass
 
 
 class SessionManager:

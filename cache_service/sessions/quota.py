@@ -26,14 +26,17 @@ class SessionQuota:
         self._ids: dict[str, set[str]] = {}
         self._lock = threading.Lock()
 
-    def admit(self, tenant: str, session_id: str) -> None:
-        """Count `session_id` for `tenant`; RESOURCE_EXHAUSTED if it is new and the tenant is at the limit."""
+    def admit(self, tenant: str, session_id: str) -> bool:
+        """Count `session_id` for `tenant` (True: it is new); RESOURCE_EXHAUSTED if it is new and the
+        tenant is at the limit."""
         ids = self._held(tenant)
         with self._lock:
-            if session_id not in ids and len(ids) >= self.limit:
+            new = session_id not in ids
+            if new and len(ids) >= self.limit:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"{len(ids)} sessions saved already (server.max_sessions); delete one first")
             ids.add(session_id)
+            return new
 
     def forget(self, tenant: str, session_id: str) -> None:
         with self._lock:

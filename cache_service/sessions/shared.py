@@ -24,7 +24,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from cache_service.sessions.manifests import Manifests, Session, SessionError, SessionStore, check_id, check_ids
+from cache_service.sessions.manifests import (DamagedManifest, Manifests, Session, SessionError, SessionStore,
+                                               check_id, check_ids)
 
 log = logging.getLogger("tierkv.sessions")
 
@@ -69,13 +70,15 @@ class S3Manifests:
         key = self._key(tenant, session_id)
         resp = self._call(f"get {key}", lambda: self._client.get_object(Bucket=self.bucket, Key=key),
                           "NoSuchKey", "404")
-        return None if resp is None else Session.from_json(resp["Body"].read(), f"s3://{self.bucket}/{key}")
+        return None if resp is None else Session.from_json(resp["Body"].read(), f"s3://{self.bucket}/{key}",
+                                                           (session_id, tenant))
 
     def put(self, s: Session, keep_time: bool = False) -> None:
         """Write the manifest, stamped now (`keep_time`: as it was saved, for an upload that waited)."""
         key = self._key(s.tenant, s.session_id)
         if not keep_time:
             s.updated_s = time.time()
+        s.pending_upload = False
         self._call(f"put {key}", lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=s.to_json()))
 
     def list(self, tenant: str = "") -> list[str]:
@@ -121,6 +124,9 @@ class PendingManifests:
             with self._writing:
                 try:
                     self._upload(sid, tenant)
+                except DamagedManifest as e:  # not S3 refusing: set aside, and the others go on
+                    log.warning("session %s: %s; moved aside, not uploaded", sid, e)
+                    self.local.set_aside(sid, tenant)
                 except SessionError:
                     return len(left)
             left.remove((tenant, sid))
@@ -131,7 +137,10 @@ class PendingManifests:
         the session since); then the waiting copy goes (caller holds _writing)."""
         s = self.local.get(sid, tenant)
         if s is not None:
-            there = self.remote.get(sid, tenant)
+            try:
+                there = self.remote.get(sid, tenant)
+            except DamagedManifest:  # S3's copy is no manifest: the waiting one replaces it
+                there = None
             if there is None or there.updated_s <= s.updated_s:
                 self.remote.put(s, keep_time=True)
         self.local.delete(sid, tenant)
@@ -154,6 +163,7 @@ class PendingManifests:
                 self.remote.put(s)
                 self.local.delete(s.session_id, s.tenant)  # an older one waiting must not overwrite this later
         except SessionError as e:
+            s.pending_upload = True  # Redis's copy says so: another node keeps it over "not in S3"
             self.local.put(s)
             log.warning("session %s: S3 refused its manifest (%s); kept on local disk until S3 answers",
                         s.session_id, e)
@@ -162,8 +172,8 @@ class PendingManifests:
         return sorted(set(self.local.list(tenant)) | set(self.remote.list(tenant)))
 
     def delete(self, session_id: str, tenant: str = "") -> bool:
-        waiting = self.local.delete(session_id, tenant)
-        return self.remote.delete(session_id, tenant) or waiting
+        existed = self.remote.delete(session_id, tenant)  # first: an outage here keeps a newer waiting copy
+        return self.local.delete(session_id, tenant) or existed
 
     def close(self) -> None:
         self._stop.set()
@@ -189,8 +199,15 @@ class SharedSessionStore:
         if self.shared_durable:
             try:
                 s = self.durable.get(session_id, tenant)
+            except DamagedManifest:  # Redis's copy if it has one; "no session" would start it over
+                copy = self._redis_copy(tenant, session_id)
+                if copy is None:
+                    raise
+                return copy
             except SessionError:  # the source of truth cannot be read now: Redis's copy, which may lag it
                 return self._redis_copy(tenant, session_id)
+            if s is None and self.directory.available:
+                s = self._waiting(tenant, session_id)
             if self.directory.available:
                 self._set_redis(tenant, session_id, s)
             return s
@@ -203,7 +220,23 @@ class SharedSessionStore:
 
     def _redis_copy(self, tenant: str, session_id: str) -> Session | None:
         data = self.directory.get_manifest(tenant, session_id)
-        return None if data is None else Session.from_json(data, f"redis {tenant or '_'}/{session_id}")
+        return None if data is None else Session.from_json(data, f"redis {tenant or '_'}/{session_id}",
+                                                           (session_id, tenant))
+
+    def _waiting(self, tenant: str, session_id: str) -> Session | None:
+        """Not in S3: Redis's copy if S3 refused it when saved (its node may be gone before its retry);
+        uploaded from here, so it does not depend on that node."""
+        try:
+            copy = self._redis_copy(tenant, session_id)
+        except DamagedManifest:
+            return None
+        if copy is None or not copy.pending_upload:
+            return None
+        try:
+            self.durable.put(copy)
+        except SessionError:  # still refused: it waits here too
+            pass
+        return copy
 
     def _set_redis(self, tenant: str, session_id: str, s: Session | None) -> None:
         """Make Redis's copy the durable one (Redis lost it, or kept one a missed write left stale)."""

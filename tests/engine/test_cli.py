@@ -73,3 +73,31 @@ def test_a_session_continued_with_other_blocks_records_them(tmp_path):
     assert s.block_tokens == 32 and s.namespace == ns32.fingerprint().hex()
     assert SessionManager(client, manifests).resume("", "s1", ns32)[1] >= 1
     client.close()
+
+
+def test_a_turn_saved_by_another_process_during_a_chat_is_kept(tmp_path):
+    from cache_service.sessions.manifests import SessionStore
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    url = f"local://{tmp_path}/store"
+    # A chat takes its first turn...
+    chat = subprocess.Popen([sys.executable, "-m", "engine.cli", "chat", "--model", "tiny-random", "--session", "s1",
+                             "--kv-connector", url, "--max-tokens", "4"], stdin=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
+    chat.stdin.write("turn one\n")
+    chat.stdin.flush()
+    while "[tierkv] prompt" not in chat.stderr.readline():
+        pass
+    # ...another process adds a turn to the same session meanwhile...
+    assert run("generate", "--model", "tiny-random", "--session", "s1", "--prompt", "turn two from B",
+               "--kv-connector", url, "--max-tokens", "4").returncode == 0
+    # ...and the chat's next turn continues from it instead of writing over it.
+    chat.communicate("turn three from A\n", timeout=300)
+    said = [m["content"] for m in SessionStore(tmp_path / "store").get("s1").messages if m["role"] == "user"]
+    assert said == ["turn one", "turn two from B", "turn three from A"]
+
+
+def test_raw_cannot_continue_a_session(tmp_path):
+    r = run("generate", "--model", "tiny-random", "--session", "s1", "--raw", "--prompt", "hi",
+            "--kv-connector", f"local://{tmp_path}")
+    assert r.returncode == 2 and "--raw cannot continue a session" in r.stderr

@@ -14,6 +14,7 @@ from cache_service.config import load_config
 from cache_service.factory import open_sessions, open_store
 from cache_service.sessions.manifests import Session, SessionStore
 from tests.cache_service.store.store_helpers import NS, OBJ, all_same, hashes, write_flushed
+from tests.cache_service.sessions.test_pending_manifests import moto_bucket  # noqa: F401 (a fixture)
 from tests.integration.conftest import S3Server, servers
 from cache_service.directory.redis_directory import S3, RedisDirectory
 
@@ -199,6 +200,34 @@ def test_a_stale_redis_copy_never_stands_for_the_session(open_node, tmp_path):
     durable.delete("plan", "acme")
     assert shared.get("plan", "acme") is None and shared.list("acme") == []
     assert x.directory.get_manifest("acme", "plan") is None
+
+
+@pytest.mark.parametrize("target", ["redis"], indirect=True)
+def test_a_session_s3_refused_is_found_by_another_node_after_its_own_node_died(open_node, tmp_path, moto_bucket):
+    from cache_service.sessions.manifests import DamagedManifest
+    from cache_service.sessions.shared import PendingManifests, S3Manifests, SharedSessionStore
+
+    moto, cfg = moto_bucket
+    x = open_node("x")
+
+    def node(name: str) -> SharedSessionStore:  # manifests in S3, pending ones in the node's files, Redis beside
+        return SharedSessionStore(x.directory, PendingManifests(S3Manifests(cfg), SessionStore(tmp_path / name),
+                                                                retry_s=3600))
+    a, b = node("a"), node("b")
+    # Node A saves a turn while S3 refuses it: acknowledged, waiting in A's files and copied to Redis.
+    moto.stop()
+    a.put(Session("plan", tenant="acme", token_ids=[1, 2, 3]))
+    a.durable.close()  # A dies before its retry
+    # S3 answers again; node B resumes the session: it is there (not "absent from S3, so gone")...
+    moto.start()
+    assert b.get("plan", "acme").token_ids == [1, 2, 3]
+    # ...and B uploaded it, so it no longer depends on A.
+    assert S3Manifests(cfg).get("plan", "acme").token_ids == [1, 2, 3]
+    # A manifest damaged in S3 with no copy in Redis is an error, not "no session" (which starts it over).
+    moto.client().put_object(Bucket=cfg.bucket, Key=f"{cfg.prefix}-sessions/acme/broken.json", Body=b"{not json")
+    with pytest.raises(DamagedManifest):
+        b.get("broken", "acme")
+    b.durable.close()
 
 
 @pytest.mark.parametrize("target", ["redis"], indirect=True)  # stopping Redis is what is tested

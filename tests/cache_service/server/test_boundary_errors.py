@@ -79,6 +79,9 @@ def test_a_tenant_keeps_at_most_max_sessions_manifests(start):
 
     def save(sid: str):
         return stub.SaveSession(pb.SaveSessionRequest(session=pb.Session(session_id=sid, messages_json="[]")))
+    # Saves refused for their ids take no place in the quota.
+    for bad in ("../a", "b/../b", "x\n", "y\n"):
+        assert code_of(lambda: save(bad))[0] == grpc.StatusCode.INVALID_ARGUMENT
     # Three sessions are saved; a fourth new one is refused, while the three can still be rewritten.
     for sid in ("a", "b", "c"):
         save(sid)

@@ -189,3 +189,26 @@ def test_another_tenant_sees_no_session_and_no_block_even_with_the_right_hashes(
     got = TenantView(store, "acme").load(NS, hs)
     assert all(g is not None and same(g, payload_for(h)) for g, h in zip(got, hs))
     assert all(t["corrupt"] == 0 for t in store.stats().values())
+
+
+@pytest.mark.parametrize("body, why", [
+    ('{"session_id": "plan", "messages": "hi"}', "wrong type"),
+    ('{"session_id": "plan", "token_ids": [1, "2"]}', "wrong type"),
+    ('{"session_id": "other", "token_ids": [1]}', "session 'other'"),
+    ('{"session_id": "plan", "tenant": "globex"}', "tenant 'globex'"),
+    ("{not json", "unreadable")])
+def test_a_manifest_that_is_not_this_sessions_is_an_error_not_a_session(tmp_path, body, why):
+    store = SessionStore(tmp_path)
+    store.put(Session("plan", tenant="acme", token_ids=[1]))
+    # The file under acme/plan is damaged, or names another session or tenant (a copy, an edit).
+    (tmp_path / "sessions" / "acme" / "plan.json").write_text(body)
+    # Reading it says so: no traceback, and no write lands on another session's manifest.
+    with pytest.raises(SessionError, match=why):
+        store.get("plan", "acme")
+
+
+def test_ids_with_a_trailing_newline_are_refused(tmp_path):
+    with pytest.raises(SessionError):
+        SessionStore(tmp_path).put(Session("agent-7\n", tenant="acme"))
+    with pytest.raises(SessionError):
+        SessionStore(tmp_path).put(Session("agent-7", tenant="acme\n"))

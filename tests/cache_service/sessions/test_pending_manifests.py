@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from cache_service.config import S3Config
-from cache_service.sessions.manifests import Session, SessionStore
+from cache_service.sessions.manifests import Session, SessionError, SessionStore
 from cache_service.sessions.shared import PendingManifests, S3Manifests
 from tests.cache_service.store.store_helpers import until
 from tests.tiers.test_s3_unit import Moto
@@ -64,3 +64,38 @@ def test_a_waiting_manifest_never_overwrites_a_newer_save_from_another_node(tmp_
         assert other.get("plan", "acme").token_ids == [1, 2] and here.local.list("acme") == []
     finally:
         here.close()
+
+
+def test_a_damaged_waiting_manifest_is_set_aside_and_the_others_still_go(tmp_path, moto_bucket):
+    moto, cfg = moto_bucket
+    manifests = PendingManifests(S3Manifests(cfg), SessionStore(tmp_path), retry_s=3600)
+    try:
+        # Two saves wait through an outage; one of their files is damaged meanwhile.
+        moto.stop()
+        manifests.put(Session("a-broken", tenant="acme", token_ids=[1]))
+        manifests.put(Session("b-fine", tenant="acme", token_ids=[4, 5, 6]))
+        (tmp_path / "sessions" / "acme" / "a-broken.json").write_text("{not json")
+        # S3 answers: the damaged one is moved aside, the other uploaded (it was stuck behind it).
+        moto.start()
+        assert manifests.upload_pending() == 0
+        assert S3Manifests(cfg).get("b-fine", "acme").token_ids == [4, 5, 6]
+        assert list((tmp_path / "sessions" / "acme").glob("a-broken.json.damaged-*"))
+    finally:
+        manifests.close()
+
+
+def test_a_delete_during_an_outage_keeps_the_newer_waiting_manifest(tmp_path, moto_bucket):
+    moto, cfg = moto_bucket
+    manifests = PendingManifests(S3Manifests(cfg), SessionStore(tmp_path), retry_s=3600)
+    try:
+        manifests.put(Session("plan", tenant="acme", token_ids=[1]))
+        # S3 goes down; turn 2 waits locally; a delete then fails (S3 cannot take it).
+        moto.stop()
+        manifests.put(Session("plan", tenant="acme", token_ids=[1, 2]))
+        with pytest.raises(SessionError):
+            manifests.delete("plan", "acme")
+        # The session was not deleted, and it did not go back to turn 1.
+        moto.start()
+        assert manifests.upload_pending() == 0 and manifests.get("plan", "acme").token_ids == [1, 2]
+    finally:
+        manifests.close()
