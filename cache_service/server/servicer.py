@@ -241,7 +241,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @rpc
     def PinSession(self, request, context, tenant):
         check_id(request.session_id)
-        owner = tenant or ""
+        owner = self.auth.resolve(tenant, request.tenant)  # auth off: the tenant asked for (it was "" for all)
         if request.release:
             return pb.PinSessionReply(released=self.store.pins.unpin_session(owner, request.session_id))
         ns, keys = self._blocks(request, tenant)

@@ -282,14 +282,14 @@ class GrpcClient:
 
     def pin_session(self, tenant: str, session: str, ns: Namespace, hashes: Sequence[BlockHash],
                     ttl_s: float | None) -> list[str]:
-        """Pin a session's blocks in the daemon (its tenant is the token's; `tenant` is the embedded store's
-        argument, unused here); returns the sessions whose pins yielded to the tenant's cap."""
+        """Pin a session's blocks in the daemon for `tenant` (with auth on, the token's, which `tenant` must
+        be or leave empty); returns the sessions whose pins yielded to the tenant's cap."""
         reply = self.admin("PinSession", pb.PinSessionRequest(ns=_ns(ns), session_id=session, hashes=list(hashes),
-                                                              ttl_s=ttl_s or 0.0))
+                                                              ttl_s=ttl_s or 0.0, tenant=tenant))
         return list(reply.yielded)
 
     def unpin_session(self, tenant: str, session: str) -> bool:
-        return self.admin("PinSession", pb.PinSessionRequest(session_id=session, release=True)).released
+        return self.admin("PinSession", pb.PinSessionRequest(session_id=session, release=True, tenant=tenant)).released
 
     def prefetch(self, ns: Namespace, hashes: Sequence[BlockHash]) -> int:
         """Have the daemon promote blocks held below its top tier; how many it queued."""

@@ -90,3 +90,28 @@ def test_a_session_another_model_recorded_is_not_taken_over(tmp_path):
     SessionKeeper(store, NS, manifests, "", "A@1111").prefetch("agent-7")
     assert asked == [100 // NS.block_tokens]
     store.close()
+
+
+def test_two_tenants_hinting_one_session_id_on_a_daemon_without_auth_keep_their_own_pins(tmp_path):
+    from cache_service.config import ServerConfig
+    from cache_service.server.daemon import Daemon
+    from connectors.grpc.client import GrpcClient
+
+    store = make_store(tmp_path / "store")
+    daemon = Daemon(store, ServerConfig(sessions_dir=str(tmp_path / "sessions"), listen="127.0.0.1:0")).start()
+    client = GrpcClient(f"grpc://{daemon.address}")
+    try:
+        def keeper(tenant: str) -> SessionKeeper:  # an engine started with --tenant
+            return SessionKeeper(client, NS.with_tenant(tenant), SessionStore(tmp_path / tenant), tenant=tenant,
+                                 model_id="m")
+        acme, globex = keeper("acme"), keeper("globex")
+        # Both retain a conversation under the same session id.
+        acme.finished(SessionHint("agent-7", retain_s=600), list(range(40)))
+        globex.finished(SessionHint("agent-7", retain_s=600), list(range(100, 140)))
+        assert store.pins.stats()["session_pins"] == 2
+        # globex's release lets go of its own pin only: acme's conversation stays pinned.
+        globex.finished(SessionHint("agent-7", release=True), [])
+        assert store.pins.stats()["session_pins"] == 1 and store.pins.stats()["pinned_blocks"] == 40 // NS.block_tokens
+    finally:
+        client.close()
+        daemon.stop(grace_s=0)
