@@ -155,10 +155,11 @@ def _session(args: argparse.Namespace, llm: LLM) -> tuple[SessionStore | None, S
     return sessions, _current(sessions, args, llm)
 
 
-def _current(sessions: SessionStore, args: argparse.Namespace, llm: LLM) -> Session:
-    """The session's manifest as saved now (another process may have added a turn since the last one)."""
-    s = sessions.get(args.session, args.tenant) or Session(args.session, tenant=args.tenant,
-                                                          block_tokens=args.block_tokens)
+def _current(sessions: SessionStore, args: argparse.Namespace, llm: LLM, known: Session | None = None) -> Session:
+    """The session's manifest as saved now (another process may have added a turn since the last one);
+    `known` (what this process has) where none is found (S3 unreadable and Redis without a copy, say)."""
+    s = sessions.get(args.session, args.tenant) or known or Session(args.session, tenant=args.tenant,
+                                                                   block_tokens=args.block_tokens)
     if s.model_id and s.model_id != llm.model_id:
         raise TierKVError(f"session {args.session!r} belongs to model {s.model_id}, not {llm.model_id}")
     return s
@@ -188,7 +189,8 @@ def run_chat(args: argparse.Namespace) -> int:
             if not line.strip():
                 continue
             t = time.perf_counter()
-            session = _current(sessions, args, llm) if sessions is not None else session
+            # as saved now (another process may have added a turn); this one's if the read finds none
+            session = (_current(sessions, args, llm, session) if sessions is not None else session)
             out = _turn(llm, conn, sessions, session, line.strip(), _params(args))
             _print_human(_summary(llm, conn, out))
             log.info("turn took %.2fs", time.perf_counter() - t)

@@ -65,7 +65,7 @@ class Attachments:
 
     def attach(self, name: str, nonce: bytes, tenant: str | None) -> tuple[str, int]:
         """Map segment `name` after checking its nonce; returns (id, data bytes)."""
-        if not SEGMENT_NAME.match(name or ""):
+        if not SEGMENT_NAME.fullmatch(name or ""):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"segment name {name!r} is not tierkv-<id>")
         self.reap()
         self._admit(tenant)

@@ -277,7 +277,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             self._in_session(self.sessions.save, s, ns, key_tenant=tenant, pin=request.pin,
                              pin_ttl_s=request.pin_ttl_s if request.pin_ttl_s > 0 else None)
         except BaseException:
-            if new:
+            if new and s.session_id not in self.sessions.list(s.tenant):  # unless a concurrent save of it landed
                 self.quota.forget(s.tenant, s.session_id)
             raise
         return pb.SessionReply(session=session_to_pb(s), found=True)

@@ -48,7 +48,7 @@ class DamagedManifest(SessionError):
 
 
 _TYPES = {"session_id": str, "tenant": str, "model_id": str, "namespace": str, "messages": list, "token_ids": list,
-          "updated_s": (int, float), "block_tokens": int, "pinned_until": (int, float), "pending_upload": bool}
+          "updated_s": (int, float), "block_tokens": int, "pinned_until": (int, float)}
 
 
 @dataclass(slots=True)
@@ -64,7 +64,6 @@ class Session:
     updated_s: float = 0.0
     block_tokens: int = 0  # 0: not recorded (the resuming engine's block size is used)
     pinned_until: float = 0.0  # epoch seconds; 0: not pinned
-    pending_upload: bool = False  # a copy (Redis's) of a manifest S3 refused: it waits in its node's files
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()

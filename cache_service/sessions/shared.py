@@ -78,7 +78,6 @@ class S3Manifests:
         key = self._key(s.tenant, s.session_id)
         if not keep_time:
             s.updated_s = time.time()
-        s.pending_upload = False
         self._call(f"put {key}", lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=s.to_json()))
 
     def list(self, tenant: str = "") -> list[str]:
@@ -163,7 +162,6 @@ class PendingManifests:
                 self.remote.put(s)
                 self.local.delete(s.session_id, s.tenant)  # an older one waiting must not overwrite this later
         except SessionError as e:
-            s.pending_upload = True  # Redis's copy says so: another node keeps it over "not in S3"
             self.local.put(s)
             log.warning("session %s: S3 refused its manifest (%s); kept on local disk until S3 answers",
                         s.session_id, e)
@@ -206,8 +204,6 @@ class SharedSessionStore:
                 return copy
             except SessionError:  # the source of truth cannot be read now: Redis's copy, which may lag it
                 return self._redis_copy(tenant, session_id)
-            if s is None and self.directory.available:
-                s = self._waiting(tenant, session_id)
             if self.directory.available:
                 self._set_redis(tenant, session_id, s)
             return s
@@ -222,21 +218,6 @@ class SharedSessionStore:
         data = self.directory.get_manifest(tenant, session_id)
         return None if data is None else Session.from_json(data, f"redis {tenant or '_'}/{session_id}",
                                                            (session_id, tenant))
-
-    def _waiting(self, tenant: str, session_id: str) -> Session | None:
-        """Not in S3: Redis's copy if S3 refused it when saved (its node may be gone before its retry);
-        uploaded from here, so it does not depend on that node."""
-        try:
-            copy = self._redis_copy(tenant, session_id)
-        except DamagedManifest:
-            return None
-        if copy is None or not copy.pending_upload:
-            return None
-        try:
-            self.durable.put(copy)
-        except SessionError:  # still refused: it waits here too
-            pass
-        return copy
 
     def _set_redis(self, tenant: str, session_id: str, s: Session | None) -> None:
         """Make Redis's copy the durable one (Redis lost it, or kept one a missed write left stale)."""

@@ -170,8 +170,8 @@ class WorkerSide:
         With tensor parallelism a failed load on any rank taints every rank
         (`step`: this step's number): each rank's KV of the step went through
         all-reduces over the failed rank's invalid pages."""
-        if self._ranks is not None and any_rank(self.failed_step == step, self._ranks):
-            self.taint(step)
+        if self._ranks is not None and (latest := most_of_ranks(self._taint or 0, self._ranks)):
+            self.taint(latest)  # the state, not this step's failure: the failed step may have saved nothing
         if self._tainted(heard):
             self.stats.blocks_unsaved += sum((t.end - t.start) // self.bt for t in transfers)
             if self.saves is not None:
@@ -212,11 +212,11 @@ class WorkerSide:
         self.stats.bytes_saved += blocks.numel() * blocks.element_size()
 
 
-def any_rank(flag: bool, group: Any) -> bool:
-    """Whether `flag` holds on any rank of `group` (every rank calls this at the same point of a step)."""
-    t = torch.tensor([int(flag)], dtype=torch.int32)
+def most_of_ranks(value: int, group: Any) -> int:
+    """The largest `value` over the ranks of `group` (every rank calls this at the same point of a step)."""
+    t = torch.tensor([value], dtype=torch.int64)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
-    return bool(t.item())
+    return int(t.item())
 
 
 def _run_save(save, t: Transfer, stats: WorkerStats) -> None:

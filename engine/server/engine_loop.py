@@ -22,6 +22,7 @@ from engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger("tierkv.engine_loop")
 IDLE_WAIT_S = 0.5  # how long the idle thread sleeps on its inbox before looking at the stop flag again
+FAILED_PAUSE_S = (0.05, 2.0)  # after a failed step, the loop waits this long, doubling to the most, before again
 
 
 @dataclass(slots=True)
@@ -85,15 +86,19 @@ class EngineLoop:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        pause = FAILED_PAUSE_S[0]
         while not self._closed:
             try:  # dispatch boundary: fail the live requests, keep serving (a dead thread left them all hanging)
                 self._take_inbox(wait=not self.llm.has_work())
                 if self.llm.has_work():
                     self.llm.step()
                     self._publish()
+                pause = FAILED_PAUSE_S[0]
             except Exception as e:
-                log.exception("engine step failed")
+                log.exception("engine step failed (next try in %.2f s)", pause)
                 self._fail_all(f"engine step failed: {e}")
+                time.sleep(pause)  # what keeps failing is not tried (and logged) thousands of times a second
+                pause = min(2 * pause, FAILED_PAUSE_S[1])
         self._fail_all("the engine is shutting down")
 
     def _take_inbox(self, wait: bool) -> None:
@@ -115,31 +120,46 @@ class EngineLoop:
                     continue
                 self._live.append(req)
             elif kind == "abort" and req.seq is not None:
-                self.llm.abort(req.seq)
+                self._abort(req)
         if any(kind == "abort" for kind, _ in items):
             self._publish()
+
+    def _abort(self, req: Request) -> None:
+        try:
+            self.llm.abort(req.seq)
+        except Exception as e:  # this request fails alone; the rest of the inbox goes on
+            log.exception("aborting a request failed")
+            self._fail(req, f"abort failed: {e}")
 
     def _publish(self) -> None:
         """Each live request's new tokens; the finished ones leave the loop."""
         for req in list(self._live):
-            out = req.seq.output_token_ids
-            new, req.sent = out[req.sent:], len(out)
-            if req.seq.is_finished:
-                update = Update(new, self.llm.output(req.seq))  # before it leaves: a failure here fails it too
-                self._live.remove(req)
-                self._emit(req, update)
-            elif new:
-                self._emit(req, Update(new))
+            try:
+                out = req.seq.output_token_ids
+                new, req.sent = out[req.sent:], len(out)
+                if req.seq.is_finished:
+                    update = Update(new, self.llm.output(req.seq))
+                    self._live.remove(req)
+                    self._emit(req, update)
+                elif new:
+                    self._emit(req, Update(new))
+            except Exception as e:  # this request's answer cannot be built: it fails, the others go on
+                log.exception("handing out a request's tokens failed")
+                self._fail(req, f"engine step failed: {e}")
+
+    def _fail(self, req: Request, why: str) -> None:
+        if req in self._live:
+            self._live.remove(req)
+        try:
+            if req.seq is not None and not req.seq.is_finished:
+                self.llm.scheduler.abort(req.seq)
+        except Exception:  # its pages may stay taken; the request still gets its answer
+            log.exception("aborting a failed request")
+        self._emit(req, Update([], error=why))
 
     def _fail_all(self, why: str) -> None:
-        for req in self._live:
-            try:
-                if req.seq is not None:
-                    self.llm.scheduler.abort(req.seq)
-            except Exception:  # its pages may stay taken; the request still gets its answer
-                log.exception("aborting a failed request")
-            self._emit(req, Update([], error=why))
-        self._live.clear()
+        for req in list(self._live):
+            self._fail(req, why)
 
     @staticmethod
     def _emit(req: Request, update: Update) -> None:

@@ -20,10 +20,14 @@ class TextStream:
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
+        self.ids: list[int] = []  # every id fed (the usage counts them)
         self.text = ""  # released so far
         self.stopped = False
-        self._done, self._done_ids = "", 0  # the text of ids[:_done_ids], whole characters
+        # special tokens decode to nothing here (skip_special_tokens): left out of the ids decoded, so a run
+        # of them (EOS under ignore_eos) costs nothing and is never a window's only context
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self._text_ids: list[int] = []
+        self._done, self._done_ids = "", 0  # the text of _text_ids[:_done_ids], whole characters
 
     def feed(self, new_ids: list[int], final: bool = False) -> str:
         """Add tokens; returns the text released by them ('' if none yet).
@@ -31,6 +35,7 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids += new_ids
+        self._text_ids += [t for t in new_ids if t not in self._special]
         full = self._decoded()
         cut = self._stop_at(full)
         if cut is not None:
@@ -44,18 +49,20 @@ class TextStream:
 
     def _decoded(self) -> str:
         """The text of every id so far, decoding only the ids since the last whole character and a few before."""
-        start = max(0, self._done_ids - CONTEXT_IDS)
+        ids, start = self._text_ids, max(0, self._done_ids - CONTEXT_IDS)
+        if len(ids) == self._done_ids:
+            return self._done
         decode = self.tokenizer.decode
-        head = decode(self.ids[start:self._done_ids], skip_special_tokens=True)
-        tail = decode(self.ids[start:], skip_special_tokens=True)
-        # an empty context (special tokens only) is no context: a Metaspace decoder (Llama, Mistral) drops
-        # the space of a window's first word, as at the start of a text
+        head = decode(ids[start:self._done_ids], skip_special_tokens=True)
+        tail = decode(ids[start:], skip_special_tokens=True)
+        # a context that decodes to nothing is none: a Metaspace decoder (Llama, Mistral) drops the space of
+        # a window's first word, as at the start of a text
         if (head or start == 0) and tail.startswith(head) and not head.endswith("\ufffd"):
             full = self._done + tail[len(head):]
         else:  # the new ids changed how the context renders: once, the whole text
-            full = decode(self.ids, skip_special_tokens=True)
+            full = decode(ids, skip_special_tokens=True)
         if not full.endswith("\ufffd"):
-            self._done, self._done_ids = full, len(self.ids)
+            self._done, self._done_ids = full, len(ids)
         return full
 
     def _stop_at(self, full: str) -> int | None:

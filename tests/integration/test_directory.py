@@ -203,31 +203,22 @@ def test_a_stale_redis_copy_never_stands_for_the_session(open_node, tmp_path):
 
 
 @pytest.mark.parametrize("target", ["redis"], indirect=True)
-def test_a_session_s3_refused_is_found_by_another_node_after_its_own_node_died(open_node, tmp_path, moto_bucket):
+def test_a_manifest_damaged_in_s3_is_an_error_not_no_session(open_node, tmp_path, moto_bucket):
     from cache_service.sessions.manifests import DamagedManifest
     from cache_service.sessions.shared import PendingManifests, S3Manifests, SharedSessionStore
 
     moto, cfg = moto_bucket
-    x = open_node("x")
-
-    def node(name: str) -> SharedSessionStore:  # manifests in S3, pending ones in the node's files, Redis beside
-        return SharedSessionStore(x.directory, PendingManifests(S3Manifests(cfg), SessionStore(tmp_path / name),
-                                                                retry_s=3600))
-    a, b = node("a"), node("b")
-    # Node A saves a turn while S3 refuses it: acknowledged, waiting in A's files and copied to Redis.
-    moto.stop()
-    a.put(Session("plan", tenant="acme", token_ids=[1, 2, 3]))
-    a.durable.close()  # A dies before its retry
-    # S3 answers again; node B resumes the session: it is there (not "absent from S3, so gone")...
-    moto.start()
-    assert b.get("plan", "acme").token_ids == [1, 2, 3]
-    # ...and B uploaded it, so it no longer depends on A.
-    assert S3Manifests(cfg).get("plan", "acme").token_ids == [1, 2, 3]
-    # A manifest damaged in S3 with no copy in Redis is an error, not "no session" (which starts it over).
+    shared = SharedSessionStore(open_node("x").directory, PendingManifests(S3Manifests(cfg), SessionStore(tmp_path),
+                                                                           retry_s=3600))
+    # A manifest damaged in S3 with no copy in Redis is an error: "no session" would start it over.
     moto.client().put_object(Bucket=cfg.bucket, Key=f"{cfg.prefix}-sessions/acme/broken.json", Body=b"{not json")
     with pytest.raises(DamagedManifest):
-        b.get("broken", "acme")
-    b.durable.close()
+        shared.get("broken", "acme")
+    # With a copy in Redis, that copy is read.
+    shared.put(Session("kept", tenant="acme", token_ids=[1, 2]))
+    moto.client().put_object(Bucket=cfg.bucket, Key=f"{cfg.prefix}-sessions/acme/kept.json", Body=b"{not json")
+    assert shared.get("kept", "acme").token_ids == [1, 2]
+    shared.durable.close()
 
 
 @pytest.mark.parametrize("target", ["redis"], indirect=True)  # stopping Redis is what is tested

@@ -223,20 +223,25 @@ def _tp_rank(rank: int, root: str, out) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
     ns = dataclasses.replace(NS, tp_rank=rank, tp_world=2)
     client = connect(f"local://{root}/store-{rank}")
-    x = tokens(100, 3)
+    x = tokens(400, 3)
     hs = prefix_hashes(ns, x)[:4]
     client.store(ns, hs, [torch.randn(ns.block_shape).to(torch.bfloat16) for _ in hs])
-    sched, pages = SchedulerSide(client, ns, PAGE), list(range(7))
+    sched, pages = SchedulerSide(client, ns, PAGE), list(range(12))
     sched.allocated("A", pages, sched.matched_tokens("A", x, 0, ""))
-    loads, saves = sched.plan([("A", 64, 36)], lambda r: pages)
+    # Step N loads [0, 64) and computes [64, 72): under a block, so it saves nothing (no save call, no
+    # agreement in it). Step N+1, planned before N's report (async scheduling), computes [72, 160).
+    loads, saves = sched.plan([("A", 64, 8)], lambda r: pages)
+    step_n = sched.step
+    _, saves_n1 = sched.plan([("A", 72, 88)], lambda r: pages)
+    assert not saves and saves_n1
     if rank == 1:
         client.delete(hs[2:3])  # this rank's copy of block 2 is gone before the load: only its load fails
-    cache = vllm_cache("flash", 8, PAGE, 7)
+    cache = vllm_cache("flash", 16, PAGE, 7)
     w = WorkerSide(client, ns, PAGE, ranks=dist.group.WORLD)
     w.register(cache)
-    w.load(loads, sched.step)
-    compute(cache, [4, 5], BAD)  # the forward's all-reduces mix rank 1's invalid pages into every rank's KV
-    w.save(saves, sched.heard, sched.step)
+    w.load(loads, step_n)
+    compute(cache, list(range(4, 10)), BAD)  # the forward's all-reduces mix rank 1's invalid pages into every rank's KV
+    w.save(saves_n1, sched.heard, sched.step)
     out.put((rank, w.stats.blocks_saved, w.take_failed()))
     client.close()
     dist.destroy_process_group()

@@ -34,3 +34,29 @@ def test_a_failure_outside_the_step_fails_the_live_requests_not_the_loop(tiny_ll
         assert run(loop, tiny_prompts[1])[-1].output is not None and loop.alive
     finally:
         loop.close()
+
+
+def test_one_requests_failure_fails_it_alone(tiny_llm_factory, tiny_prompts):
+    llm = tiny_llm_factory()
+    loop = EngineLoop(llm)
+    try:
+        real = llm.output
+
+        def broken(seq):  # building the first finished output fails (the short request's)
+            llm.output = real
+            raise RuntimeError("output failed")
+        llm.output = broken
+        short, long = queue.SimpleQueue(), queue.SimpleQueue()
+        loop.submit(tiny_prompts[1], SamplingParams(max_tokens=8, ignore_eos=True), long.put)
+        loop.submit(tiny_prompts[0], SamplingParams(max_tokens=2, ignore_eos=True), short.put)
+
+        def last(q):
+            u = q.get(timeout=60)
+            while u.output is None and u.error is None:
+                u = q.get(timeout=60)
+            return u
+        # The short one gets its error; the long one, batched with it, still gets its answer.
+        assert last(short).error == "engine step failed: output failed"
+        assert last(long).output is not None and loop.alive
+    finally:
+        loop.close()

@@ -45,10 +45,13 @@ def test_each_token_decodes_a_few_ids_not_the_whole_output(tokenizer):
     decoded = []
 
     class Counting:
+        all_special_ids = tokenizer.all_special_ids
+
         def decode(self, ids, **kw):
             decoded.append(len(ids))
             return tokenizer.decode(ids, **kw)
-    ids = tokenizer.encode("word " * 2000)[:2000]
+    # 2,000 words, then a run of EOS (what an ignore_eos benchmark makes)
+    ids = tokenizer.encode("word " * 2000)[:2000] + [tokenizer.eos_token_id] * 2000
     stream = TextStream(Counting())
     deltas = [stream.feed([t]) for t in ids]
     # The text is whole, and the work per token is bounded (decoding all ids each time was 2M ids).
