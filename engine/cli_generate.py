@@ -148,8 +148,6 @@ def _session(args: argparse.Namespace, llm: LLM) -> tuple[SessionStore | None, S
     here; otherwise they are files next to the local store."""
     if not args.session:
         return None, None
-    if getattr(args, "raw", False):  # its prompt would leave out the session's history
-        raise TierKVError("--raw cannot continue a session: a session's turns go through the chat template")
     conn = getattr(llm, "kv_connector", None)
     sessions = session_manifests(args.kv_connector, args.config, getattr(conn, "client", None))
     return sessions, _current(sessions, args, llm)
@@ -167,6 +165,8 @@ def _current(sessions: SessionStore, args: argparse.Namespace, llm: LLM, known: 
 
 def run_generate(args: argparse.Namespace) -> int:
     text = _read_prompt(args)
+    if args.raw and args.session:  # before the model loads
+        raise TierKVError("--raw cannot continue a session: a session's turns go through the chat template")
     llm, conn = open_engine(args)
     try:
         sessions, session = _session(args, llm)

@@ -284,7 +284,15 @@ class SharedSessionStore:
                 if not self._dirty:
                     return
                 tenant, sid = next(iter(self._dirty))
-            s = self.durable.get(sid, tenant)
+            try:
+                s = self.durable.get(sid, tenant)
+            except DamagedManifest as e:  # not replayable; it must not fail every session call on this node
+                log.warning("session %s: %s; Redis's copy left as it is", sid, e)
+                with self._lock:
+                    self._dirty.pop((tenant, sid), None)
+                continue
+            except SessionError:  # the durable copies cannot be read now: replayed at a later call
+                return
             ok = (self.directory.put_manifest(tenant, sid, s.to_json(), s.pinned_until) if s is not None
                   else self.directory.delete_manifest(tenant, sid) is not None)
             if not ok:

@@ -130,6 +130,21 @@ def test_blocks_the_store_lost_are_stored_again_once_recomputed(tmp_path):
     client.close()
 
 
+def test_a_save_that_cannot_gather_its_pages_costs_a_miss_not_the_batch(tmp_path, monkeypatch):
+    import connectors.engine as engine_connector
+
+    llm, conn = engine(f"local://{tmp_path}/store", dtype="float32")
+    once = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    def broken(*a, **kw):
+        raise RuntimeError("gather failed")
+    # Reading the pages for an offload fails (a kernel error, memory): the requests still get their answers.
+    monkeypatch.setattr(engine_connector, "gather_blocks", broken)
+    outs = llm.generate([list(range(100, 181)), list(range(300, 381))], once)
+    assert [len(o.token_ids) for o in outs] == [2, 2] and conn.stats.errors >= 1 and conn.stats.blocks_saved == 0
+    conn.close()
+
+
 class _Deadline(grpc.RpcError):
     """A call the daemon did not answer in time."""
 

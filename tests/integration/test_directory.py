@@ -203,6 +203,23 @@ def test_a_stale_redis_copy_never_stands_for_the_session(open_node, tmp_path):
 
 
 @pytest.mark.parametrize("target", ["redis"], indirect=True)
+def test_a_damaged_manifest_waiting_for_redis_does_not_fail_every_session_call(open_node, tmp_path):
+    from cache_service.sessions.shared import SharedSessionStore
+    x = open_node("x")
+    durable = SessionStore(tmp_path / "durable")
+    shared = SharedSessionStore(x.directory, durable)
+    # A save misses Redis (replayed later), and its durable file is damaged meanwhile.
+    real = x.directory.put_manifest
+    x.directory.put_manifest = lambda *a, **kw: False
+    shared.put(Session("plan", tenant="acme", token_ids=[1]))
+    x.directory.put_manifest = real
+    (tmp_path / "durable" / "sessions" / "acme" / "plan.json").write_text("{not json")
+    # Other sessions' calls on this node go on.
+    shared.put(Session("other", tenant="acme", token_ids=[2]))
+    assert shared.get("other", "acme").token_ids == [2] and "other" in shared.list("acme")
+
+
+@pytest.mark.parametrize("target", ["redis"], indirect=True)
 def test_a_manifest_damaged_in_s3_is_an_error_not_no_session(open_node, tmp_path, moto_bucket):
     from cache_service.sessions.manifests import DamagedManifest
     from cache_service.sessions.shared import PendingManifests, S3Manifests, SharedSessionStore
