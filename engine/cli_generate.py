@@ -190,7 +190,7 @@ def run_chat(args: argparse.Namespace) -> int:
                 continue
             t = time.perf_counter()
             # as saved now (another process may have added a turn); this one's if the read finds none
-            session = (_current(sessions, args, llm, session) if sessions is not None else session)
+            session = _current(sessions, args, llm, session) if sessions is not None else session
             out = _turn(llm, conn, sessions, session, line.strip(), _params(args))
             _print_human(_summary(llm, conn, out))
             log.info("turn took %.2fs", time.perf_counter() - t)

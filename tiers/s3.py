@@ -100,9 +100,8 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
         self._undeleted = PendingDeletes(_MAX_FOREIGN)  # deletes S3 did not take, sent again by tick
         self._namespaces: dict[str, int] = {}  # namespaces seen or noted (-> object bytes, 0: unknown), most recent last
         self._used = self._reserved = 0
-        self._ready = self._closed = False  # _ready: bucket checked/created
+        self._ready = self._closed = self._probing = False  # bucket checked/created; closed; a tick's probe is out
         self._ticked = -UNTICKED_S  # when the writer's tick last ended (it probes S3 after a pause)
-        self._probing = False  # a tick's probe is out (against a silent S3 it takes a read timeout)
         self._warn = Throttled(log)
         self._open()
 
@@ -337,12 +336,13 @@ class S3Tier(S3Deletes, ByteBudget, Tier):
         finally:
             self._ticked = time.monotonic()
 
-    def _probe(self) -> bool:  # False: S3 did not answer
+    def _probe(self) -> bool:  # False: S3 did not answer (a bucket check at _usable is an answer too)
         self._probing = True
         try:
             if not self._usable():  # checks the bucket and lists it, if open could not
                 return False
-            self._reader.head_bucket(Bucket=self.bucket)
+            if not self._outage.confirmed():
+                self._reader.head_bucket(Bucket=self.bucket)
         except (BotoCoreError, ClientError) as e:
             self._fail("probe", self.bucket, e)
             if looks_down(e):

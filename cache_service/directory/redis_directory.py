@@ -50,7 +50,7 @@ from tiers.types import BlockHash, ConfigError
 
 log = logging.getLogger(__name__)
 S3 = "s3"  # the location of a block in the deployment's bucket
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")  # fullmatch  # no braces: they would move hash slots
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")  # fullmatched; no braces: they would move hash slots
 _BATCH = 512  # block updates per pipeline
 
 

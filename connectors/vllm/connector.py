@@ -51,7 +51,6 @@ written by vLLM on one CPU is readable by our engine and by vLLM on another CPU.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -72,7 +71,7 @@ from connectors.vllm.hints import VllmSessionHints, hint_manifests
 from connectors.vllm.lookup import is_local
 from connectors.vllm.namespace import build_namespace
 from connectors.vllm.pages import CpuPageLayout
-from connectors.vllm.scheduler import SchedulerSide, TierKVConfig, Transfer
+from connectors.vllm.scheduler import SchedulerSide, TierKVConfig, Transfer, request_key, salted
 from connectors.vllm.worker import WorkerSide
 from tiers.types import ConfigError
 
@@ -195,23 +194,16 @@ def _tp() -> tuple[int, Any]:
 
 
 def _request_tenant(request: "Request", tenant: str) -> str | None:
-    """The key of a request's blocks (scheduler.key_space): its tenant, and the digest of its cache
-    salt if it has one; None when its KV is not a function of token ids alone."""
+    """The key of a request's blocks (scheduler.request_key), or None when its KV is not a function of
+    token ids alone."""
     if request.lora_request is not None or request.mm_features or request.prompt_embeds is not None:
         return None
-    salt = getattr(request, "cache_salt", None)
-    if not salt:
-        return tenant
-    # The salt starts the blocks' hash chain (as vLLM's prefix cache mixes it into the first block), the
-    # namespace stays the tenant's: as a tenant name a salt was refused by a daemon (a newline also failed
-    # the namespace's own check, which stopped vLLM's engine), and per-salt namespaces would each cost
-    # an S3 tier a GET per load of an unknown block. A digest: vLLM lets any character but @ / \ NUL through.
-    return f"{tenant}\n{hashlib.sha256(salt.encode('utf-8', 'surrogatepass')).hexdigest()}"
+    return request_key(tenant, getattr(request, "cache_salt", None))
 
 
 def _hinted(request: "Request", key: str) -> bool:
     """Whether to act on a request's session hints: sessions keep unsalted chains (a salted request's are its own)."""
-    return bool(request.kv_transfer_params) and "\n" not in key
+    return bool(request.kv_transfer_params) and not salted(key)
 
 
 def _instance(vllm_config: "VllmConfig", url: str) -> str:
@@ -288,7 +280,7 @@ class TierKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if self.worker is not None and isinstance(meta, TierKVMetadata) and meta.saves:
-            self.worker.save(meta.saves, meta.heard, meta.step)
+            self.worker.save(meta.saves, meta.heard)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         saves = self.worker.saves if self.worker is not None else None

@@ -16,6 +16,7 @@ that has KV, which may be part of a page.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -68,9 +69,24 @@ class TierKVConfig:
         return cls(**extra)
 
 
+def request_key(tenant: str, cache_salt: str | None) -> str:
+    """The key of a request's blocks: its tenant, then (with a cache salt) a newline and the salt's digest
+    in hex. The salt starts the blocks' hash chain (as vLLM's prefix cache mixes it into the first block),
+    the namespace stays the tenant's: as a tenant name a salt was refused by a daemon (a newline also failed
+    the namespace's own check, which stopped vLLM's engine), and per-salt namespaces would each cost an S3
+    tier a GET per load of an unknown block. A digest: vLLM lets any character but @ / \\ NUL through."""
+    if not cache_salt:
+        return tenant
+    return f"{tenant}\n{hashlib.sha256(cache_salt.encode('utf-8', 'surrogatepass')).hexdigest()}"
+
+
+def salted(key: str) -> bool:
+    """Whether a request's key (`request_key`) has a cache salt."""
+    return "\n" in key
+
+
 def key_space(ns: Namespace, key: str) -> tuple[Namespace, bytes]:
-    """The namespace and chain salt of a request's key: its tenant, then
-    (requests with a cache salt) a newline and the salt's digest in hex."""
+    """The namespace and chain salt of a request's key (`request_key`)."""
     tenant, _, salt = key.partition("\n")
     return (ns if tenant == ns.tenant_salt else ns.with_tenant(tenant)), bytes.fromhex(salt)
 

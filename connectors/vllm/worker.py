@@ -156,7 +156,7 @@ class WorkerSide:
         """Pages read in step `step` may be invalid: save nothing until the scheduler heard of it."""
         self._taint = step if self._taint is None else max(self._taint, step)
 
-    def save(self, transfers: list[Transfer], heard: int = 0, step: int = 0) -> None:
+    def save(self, transfers: list[Transfer], heard: int = 0) -> None:
         """Store the planned blocks (queued, when saves are asynchronous).
 
         After a load failed here, nothing is saved until a step planned once
@@ -167,9 +167,9 @@ class WorkerSide:
         its next chunk planned before the failure was reported) and the
         store keeps the first copy of a block, so the recomputed KV could
         never replace it. vLLM recomputes; what goes unsaved is a later miss.
-        With tensor parallelism a failed load on any rank taints every rank
-        (`step`: this step's number): each rank's KV of the step went through
-        all-reduces over the failed rank's invalid pages."""
+        With tensor parallelism a failed load on any rank taints every rank:
+        each rank's KV of the step went through all-reduces over the failed
+        rank's invalid pages."""
         if self._ranks is not None and (latest := most_of_ranks(self._taint or 0, self._ranks)):
             self.taint(latest)  # the state, not this step's failure: the failed step may have saved nothing
         if self._tainted(heard):

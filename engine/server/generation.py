@@ -98,7 +98,9 @@ class Generation:
         stream = self._streams[i]
         was_stopped = stream.stopped
         ids = u.new_token_ids
-        if u.output is not None and u.output.finish_reason == "stop" and ids and ids[-1] in self._params[i].stop_token_ids:
+        stop_token = u.output is not None and u.output.finish_reason == "stop" and ids \
+            and ids[-1] in self._params[i].stop_token_ids
+        if stop_token:
             ids = ids[:-1]  # a stop token's text is not output (as in vLLM); it counts as generated
         text = stream.feed(ids, final=u.output is not None)
         if stream.stopped and not was_stopped and u.output is None:

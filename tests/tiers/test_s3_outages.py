@@ -27,6 +27,14 @@ def tier_on(moto, bucket: str, **kw) -> S3Tier:
     return S3Tier(bucket, capacity_bytes=64 * MB, **kw)
 
 
+def holding_one(moto, **kw) -> tuple[S3Tier, bytes]:
+    """A tier on a fresh bucket, and the one block it holds."""
+    tier = tier_on(moto, f"tkv-{uuid.uuid4().hex[:16]}", **kw)
+    a = keys(1)[0]
+    assert tier.put_many([a], [block(a)]) == [True]
+    return tier, a
+
+
 def error(status: int, code: str) -> ClientError:
     return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
 
@@ -166,9 +174,7 @@ def test_loads_leave_an_s3_gone_silent_to_the_writers_probe(moto, monkeypatch):
     from botocore.exceptions import ReadTimeoutError
 
     monkeypatch.setattr("tiers.s3.UNTICKED_S", 0.3)
-    tier = tier_on(moto, f"tkv-{uuid.uuid4().hex[:16]}", retry_after_s=0.2)
-    a = keys(1)[0]
-    assert tier.put_many([a], [block(a)]) == [True]
+    tier, a = holding_one(moto, retry_after_s=0.2)
     tier.tick()  # the store's writer ticks the tier about once a second
     asked = []
     real_get, real_head = tier._reader.get_object, tier._reader.head_bucket
@@ -203,9 +209,7 @@ def test_loads_leave_an_s3_gone_silent_to_the_writers_probe(moto, monkeypatch):
 
 def test_a_tier_no_writer_ticks_probes_with_its_loads(moto, monkeypatch):
     monkeypatch.setattr("tiers.s3.UNTICKED_S", 0.3)
-    tier = tier_on(moto, f"tkv-{uuid.uuid4().hex[:16]}", retry_after_s=0.2)
-    a = keys(1)[0]
-    assert tier.put_many([a], [block(a)]) == [True]
+    tier, a = holding_one(moto, retry_after_s=0.2)
     # Left alone after a failure, and no tick came since the pause ended: a load finds out S3 is back.
     tier._outage.trip()
     time.sleep(0.2 + 0.35)

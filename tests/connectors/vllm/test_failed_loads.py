@@ -241,7 +241,7 @@ def _tp_rank(rank: int, root: str, out) -> None:
     w.register(cache)
     w.load(loads, step_n)
     compute(cache, list(range(4, 10)), BAD)  # the forward's all-reduces mix rank 1's invalid pages into every rank's KV
-    w.save(saves_n1, sched.heard, sched.step)
+    w.save(saves_n1, sched.heard)
     out.put((rank, w.stats.blocks_saved, w.take_failed()))
     client.close()
     dist.destroy_process_group()
