@@ -135,13 +135,16 @@ class DiskRecords:
         with self.commit_lock:
             if self.closed:
                 return True
-            batch = list(self._fresh.batch().items())
-            for a in range(0, len(batch), MERGE_TXN):
-                part = dict(batch[a:a + MERGE_TXN])
-                if not self._write_index(part, [], self._fresh.marks, present=False):
+            recs = self._fresh.batch()
+            # in key order: lmdb walks its tree in order, 2.5-3x faster than the order put, pages as full (#19)
+            keys = sorted(recs)
+            for a in range(0, len(keys), MERGE_TXN):
+                if not self._write_index({h: recs[h] for h in keys[a:a + MERGE_TXN]}, [], self._fresh.marks,
+                                         present=False):
+                    self._fresh.merged({h: recs[h] for h in keys[:a]})
                     self.stats.add(errors=1)
                     return False
-                self._fresh.merged(part)
+            self._fresh.merged(recs)  # once all committed: readers find each one fresh or in lmdb
             self._sync_totals()
             return True
 

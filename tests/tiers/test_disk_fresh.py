@@ -275,11 +275,33 @@ def test_a_merge_never_counts_a_block_twice(tmp_path, monkeypatch):
     assert tier.swept.wait(30)
     hs = keys(12)
     tier.put_many(hs, [block_for(h) for h in hs])
-    # Between a merge transaction's commit and the fresh records' drop, the blocks are in both places:
-    # the tier's totals (what eviction reads as used space) count them once all the same.
-    seen, merged = [], tier._fresh.merged
-    monkeypatch.setattr(tier._fresh, "merged", lambda part: seen.append(tier.stats.blocks) or merged(part))
+    # Between a merge's commits and the fresh records' drop, the blocks are in both places: the tier's
+    # totals (what eviction reads as used space) count them once all the same, after each transaction too.
+    seen, merged, write = [], tier._fresh.merged, tier.index.write
+    monkeypatch.setattr(tier._fresh, "merged", lambda part: seen.append(("dropped", tier.stats.blocks)) or merged(part))
+    monkeypatch.setattr(tier.index, "write", lambda *a: write(*a) and not seen.append(("txn", tier.stats.blocks)))
     monkeypatch.setattr("tiers.disk_records.MERGE_TXN", 5)
     assert tier.merge()
-    assert seen == [12, 12, 12] and tier.stats.blocks == 12 and tier.index.records() == 12
+    # Three transactions of at most 5, then the records are dropped from memory at once.
+    assert seen == [("txn", 12)] * 3 + [("dropped", 12)]
+    assert tier.stats.blocks == 12 and tier.index.records() == 12 and len(tier._fresh) == 0
+    tier.close()
+
+
+def test_a_merge_the_index_refuses_midway_keeps_the_rest_fresh(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 64 * MB)
+    assert tier.swept.wait(30)
+    hs = keys(12)
+    tier.put_many(hs, [block_for(h) for h in hs])
+    # lmdb takes the first transaction of 5 records and refuses the second (its map full).
+    calls, write = [], tier.index.write
+    monkeypatch.setattr(tier.index, "write", lambda *a: calls.append(1) or (len(calls) == 1 and write(*a)))
+    monkeypatch.setattr("tiers.disk_records.MERGE_TXN", 5)
+    assert not tier.merge()
+    # The 5 it took left memory; the 7 others stay fresh; every block is counted once and reads back.
+    assert tier.index.records() == 5 and len(tier._fresh) == 7
+    assert tier.stats.blocks == 12 and exact(tier, hs)
+    # Once lmdb accepts again, the next merge takes the rest.
+    monkeypatch.setattr(tier.index, "write", write)
+    assert tier.merge() and tier.index.records() == 12 and len(tier._fresh) == 0 and exact(tier, hs)
     tier.close()

@@ -1,13 +1,19 @@
 """PresenceTable against a Python set: random adds, discards and lookups,
 through growth and tombstones, and keys overflowing a bucket; the C lookup
-(tiers/_presence.c) and the numpy one give the same answers."""
+(tiers/_presence.c) and the numpy one give the same answers, and so do the
+C insert and the numpy one."""
 from __future__ import annotations
 
 import random
 
+import pytest
 import xxhash
 
 from tiers.presence import PresenceTable, keys_of
+
+
+def held_keys(table: PresenceTable) -> set[int]:
+    return set(table._buckets[table._buckets > 1].tolist())
 
 
 def both_ways(table: PresenceTable, ask: list[bytes]) -> list[bool]:
@@ -56,6 +62,30 @@ def test_keys_sharing_a_bucket_overflow_past_it_and_past_tombstones():
     assert both_ways(table, same_bucket).count(False) == 2 and len(table) == 18
     table.add(same_bucket[2:3] + same_bucket[15:16])
     assert both_ways(table, same_bucket) == [True] * 20 and len(table) == 20
+
+
+def test_the_c_insert_holds_what_the_numpy_one_holds():
+    rng, by_c, by_numpy = random.Random(5), PresenceTable(), PresenceTable()
+    for step in range(200):
+        # The same batches (repeats within them, keys held already) into both, by C and by numpy.
+        add = [h(rng.randrange(5_000)) for _ in range(rng.randrange(1, 300))]
+        by_c.add(add)
+        by_numpy._add_keys(keys_of(add), None)
+        # Discards leave tombstones that later inserts reuse.
+        gone = [h(rng.randrange(5_000)) for _ in range(rng.randrange(0, 100))]
+        by_c.discard(gone)
+        by_numpy.discard(gone)
+        # Same keys held; each table's counts of live and used slots are its buckets' own.
+        assert held_keys(by_c) == held_keys(by_numpy), step
+        for t in (by_c, by_numpy):
+            assert (len(t), t._used) == (len(held_keys(t)), int((t._buckets != 0).sum())), step
+    # Both grew past their first size; the C insert refuses a table with no room rather than loop.
+    assert by_c.nbytes > 4096 * 8
+    from tiers import _presence
+    full = PresenceTable()
+    full._buckets[:] = 7
+    with pytest.raises(RuntimeError, match="full"):
+        _presence.add(full._buckets, keys_of([h(1)]))
 
 
 def test_the_c_lookup_is_built_and_takes_any_bytes_like_hash():
