@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.tiers.disk_writer_child import block_for, key_for
-from tiers import disk_fresh, disk_slots, disk_sweep
+from tiers import disk_fresh, disk_sweep
 from tiers.disk import DiskTier
 from tiers.types import TierKVError
 
