@@ -18,8 +18,8 @@ store (`open_store`, cpu -> disk, as `local://` builds it):
 - index bytes per block: the lmdb index's pages in use / N;
 - lookup of 256 held hashes: `store.lookup` latency, p50 and p99 (us);
 - store rate: new blocks of the same size stored through the store with
-  fsync on, until flushed (131k of them: two of the disk tier's index
-  merges fall within), as a ratio to raw writes of the same objects
+  fsync on, until flushed (524k of them, 262k with --quick: two or one of
+  the disk tier's index merges fall within), as a ratio to raw writes of the same objects
   into slots of a preallocated segment file with one fdatasync per batch
   the store's writer takes (the disk tier's layout, tiers/disk_slots.py,
   less everything else it does); and, for the layout question (#19 item
@@ -100,9 +100,10 @@ def rss_bytes(field: str = "VmRSS:") -> int:
     raise RuntimeError(f"no {field}")
 
 
-def probe(root: Path, n: int, ids: int, scratch: Path) -> dict:
+def probe(root: Path, n: int, ids: int, scratch: Path, count: int) -> dict:
     """Run in a fresh process: the figures of a store holding n blocks, of
-    which the fill's are ids 0..ids-1 (the rest earlier probes stored)."""
+    which the fill's are ids 0..ids-1 (the rest earlier probes stored);
+    its store rate stores `count` new blocks."""
     from cache_service.factory import open_store
     from tiers.disk_index import bytes_in_use
 
@@ -131,7 +132,7 @@ def probe(root: Path, n: int, ids: int, scratch: Path) -> dict:
     lat.sort()
     anon = rss_bytes("RssAnon:") - anon_before
     index_bytes = bytes_in_use(root / "index.lmdb")  # before the store rates below add their blocks
-    ours, raw = store_rate(store, n, scratch)
+    ours, raw = store_rate(store, n, scratch, count)
     real, real_raw = store_rate(store, n, scratch, 128, 2, SMOLLM2, 2 * 10**9)  # a real model's blocks: the device's share
     obj = encode(NS, key(0), payload(0)).numpy().tobytes()
     files = files_rate(scratch, 4000, [obj])
@@ -139,7 +140,7 @@ def probe(root: Path, n: int, ids: int, scratch: Path) -> dict:
     shutil.rmtree(root.parent / "empty", ignore_errors=True)
     # the figure: the larger of RSS growth over the open and the anonymous memory kept once the sweep has
     # filled the presence table (lmdb's mapped pages are page cache, shared and reclaimable)
-    return {"blocks": n, "stored": 2 * MERGE_RECORDS + 128, "reopen_s": reopen, "sweep_s": sweep, "rss_bytes_per_block": max(rss, anon) / n,
+    return {"blocks": n, "stored": count + 128, "reopen_s": reopen, "sweep_s": sweep, "rss_bytes_per_block": max(rss, anon) / n,
             "rss_open_bytes_per_block": rss / n, "anon_rss_bytes_per_block_after_sweep": anon / n, "raw_files_blocks_s": files,
             "index_bytes_per_block": index_bytes / n,
             "lookup256_us_p50": lat[len(lat) // 2], "lookup256_us_p99": lat[int(len(lat) * 0.99)],
@@ -147,14 +148,14 @@ def probe(root: Path, n: int, ids: int, scratch: Path) -> dict:
             "smollm2_store_blocks_s": real, "smollm2_store_rate_vs_raw": real / real_raw}
 
 
-def store_rate(store, n: int, scratch: Path, count: int = 2 * MERGE_RECORDS, rounds: int = 4,
+def store_rate(store, n: int, scratch: Path, count: int, rounds: int = 4,
                ns: Namespace = NS, base: int = 10**9) -> tuple[float, float]:
     """Blocks/s of new blocks stored and flushed (fsync on), and of raw
     writes of the same objects into slots of a segment file, one fdatasync
     per batch the store's writer takes (what the disk tier does, less all
     the rest): `rounds` alternating pairs (this VM's disk drifts by 2x
-    within a minute), the medians. The default count is two of the disk
-    tier's index merges (tiers/disk_fresh.py), which fall inside the rounds."""
+    within a minute), the medians. The probes store one (--quick) or two of
+    the disk tier's index merges (tiers/disk_fresh.py), which fall inside the rounds."""
     ours, raw = [], []
     per = count // rounds
     for r in range(rounds):
@@ -238,9 +239,9 @@ def layouts(scratch: Path, quick: bool) -> list[dict]:
     return rows
 
 
-def measure(root: Path, n: int, ids: int) -> dict:
+def measure(root: Path, n: int, ids: int, count: int) -> dict:
     """`probe` in a fresh process (what a restarted engine or daemon pays)."""
-    run = subprocess.run([sys.executable, __file__, "--probe", str(root), str(n), str(ids)], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, __file__, "--probe", str(root), str(n), str(ids), str(count)], capture_output=True, text=True,
                          timeout=3600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if run.returncode != 0:
         raise RuntimeError(f"probe failed:\n{run.stderr[-3000:]}")
@@ -283,11 +284,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="100k blocks only (under 60 s)")
     ap.add_argument("--dir", default=None, help="a directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--plot", default=None, help="write the curve as a PNG here (needs matplotlib)")
-    ap.add_argument("--probe", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--probe", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.probe:
         root = Path(args.probe[0])
-        print(json.dumps(probe(root, int(args.probe[1]), int(args.probe[2]), root.parent / "raw-scratch")))
+        print(json.dumps(probe(root, int(args.probe[1]), int(args.probe[2]), root.parent / "raw-scratch", int(args.probe[3]))))
         return
     sizes = [100_000] if args.quick else [300_000, 1_000_000, 3_000_000]
     base = Path(tempfile.mkdtemp(prefix="tierkv-scale-", dir=args.dir))
@@ -296,7 +297,7 @@ def main() -> None:
         for n in sizes:  # filled up to n blocks held in all (the table sizes of the presence table are powers of 2)
             fill_s = fill(base / "store", ids, n - stored)
             ids = n - stored
-            row = measure(base / "store", n, ids) | {"fill_s": fill_s}
+            row = measure(base / "store", n, ids, (1 if args.quick else 2) * MERGE_RECORDS) | {"fill_s": fill_s}
             stored += row["stored"]
             curve.append(row)
             print(f"{n:>9,} blocks  reopen {row['reopen_s'] * 1e3:.1f} ms  RSS over open {row['rss_open_bytes_per_block']:.0f} "

@@ -270,6 +270,21 @@ def test_a_delete_the_index_refuses_removes_nothing(tmp_path, monkeypatch):
     tier.close()
 
 
+def test_fresh_records_are_merged_once_they_describe_enough_bytes(tmp_path, monkeypatch):
+    # Few records of large objects: merged by their bytes, which bound what a crash leaves the sweep to read.
+    hs = keys(12)
+    size = sum(block_for(h).numel() for h in hs[:5])
+    monkeypatch.setattr(disk_fresh, "MERGE_BYTES", size)
+    tier = DiskTier(tmp_path, 64 * MB)
+    # Four objects: under the bytes, fresh.
+    assert all(tier.put_many(hs[:4], [block_for(h) for h in hs[:4]]))
+    assert tier.index.records() == 0 and len(tier._fresh) == 4
+    # The fifth reaches them: all five go into lmdb.
+    assert all(tier.put_many(hs[4:5], [block_for(hs[4])]))
+    assert tier.index.records() == 5 and len(tier._fresh) == 0 and exact(tier, hs[:5])
+    tier.close()
+
+
 def test_a_merge_never_counts_a_block_twice(tmp_path, monkeypatch):
     tier = DiskTier(tmp_path, 64 * MB)
     assert tier.swept.wait(30)
