@@ -9,8 +9,10 @@
  * add(buckets, keys) places each uint64 key not held yet in the first free
  * slot (empty or a tombstone) of its bucket chain, as PresenceTable._place
  * does for distinct keys (a key repeated in `keys` is placed once); the
- * caller has grown the table so that every key finds room. Returns (keys
- * placed, empty slots they took). */
+ * caller has grown the table so that every key finds room (a table found
+ * full, or a key below 2, raises with the keys before it placed and not
+ * counted: the caller's invariant broken). Returns (keys placed, empty
+ * slots they took). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -105,7 +107,10 @@ static PyObject *add(PyObject *self, PyObject *args) {
     const uint64_t *k = keys.buf;
     Py_ssize_t placed = 0, took = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        assert(k[i] > GONE);
+        if (k[i] <= GONE) {  /* keys_of stores keys below 2 as 2: 0 and 1 mark empty and gone slots */
+            PyErr_SetString(PyExc_ValueError, "keys must be at least 2");
+            goto done;
+        }
         if (held(b, mask, k[i])) continue;
         uint64_t *slot = free_slot(b, mask, k[i]);
         if (!slot) {

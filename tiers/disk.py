@@ -46,7 +46,7 @@ import torch
 
 from tiers.arena import Arena
 from tiers.base import ByteBudget, Tier
-from tiers.disk_fresh import FreshRecords
+from tiers.disk_fresh import MERGE_TXN, FreshRecords
 from tiers.disk_index import RECORD, DiskIndex
 from tiers.disk_io import WriteErrors, buffers, fsync_dir, lock_root, readers, set_aside_old_layout
 from tiers.disk_records import DiskRecords, Entry
@@ -324,6 +324,8 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
             if self.closed:
                 return
             if self._atimes.waiting() or self._dirty or len(self._fresh):  # a clean close: every record merged
+                if len(self._fresh) > MERGE_TXN:  # in transactions of MERGE_TXN: one holds its pages in memory
+                    self.merge()
                 batch = self._fresh.batch()
                 marks = self._fresh.marks if batch else None
                 if self._write_index(batch, [], marks, None if self.recovering else False, False):

@@ -97,11 +97,12 @@ class PresenceTable:
 
     def _add_keys(self, keys: np.ndarray, c_add: Callable | None) -> None:
         """`c_add`: the C insert (which skips held and repeated keys itself), or None for numpy's."""
+        assert keys.dtype == np.uint64, keys.dtype
         if c_add is None:
             keys = np.unique(keys)
             keys = keys[~self._find(keys)[0]]
         if 2 * (self._used + len(keys)) > self._buckets.size:
-            self._grow(len(keys))
+            self._grow(len(keys), c_add)
         if c_add is None:
             self._place(keys)
         else:  # ~20 numpy calls per batch otherwise: 2 us a block at 256 a put (#19)
@@ -137,12 +138,12 @@ class PresenceTable:
         self._buckets[where[found, 0], where[found, 1]] = _GONE
         self._live -= int(np.count_nonzero(found))
 
-    def _grow(self, more: int) -> None:
+    def _grow(self, more: int, c_add: Callable | None) -> None:
         """Rehash into a table sized for the live keys plus `more` (tombstones dropped)."""
         live = self._buckets[self._buckets > _GONE]
         self._buckets = np.zeros((_buckets_for(len(live) + more), WAYS), dtype=np.uint64)
         self._live = self._used = 0
-        self._add_keys(live, _add)
+        self._add_keys(live, c_add)
 
 
 def _buckets_for(n: int) -> int:

@@ -299,7 +299,8 @@ def test_a_merge_never_counts_a_block_twice(tmp_path, monkeypatch):
     assert tier.merge()
     # Three transactions of at most 5, then the records are dropped from memory at once.
     assert seen == [("txn", 12)] * 3 + [("dropped", 12)]
-    assert tier.stats.blocks == 12 and tier.index.records() == 12 and len(tier._fresh) == 0
+    assert tier.stats.blocks == 12 and tier.index.records() == 12 and tier._fresh.totals() == (0, 0)
+    assert tier.stats.used_bytes == sum(block_for(h).numel() for h in hs)
     tier.close()
 
 

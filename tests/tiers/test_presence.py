@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import xxhash
 
+from tiers import presence
 from tiers.presence import PresenceTable, keys_of
 
 
@@ -64,13 +66,16 @@ def test_keys_sharing_a_bucket_overflow_past_it_and_past_tombstones():
     assert both_ways(table, same_bucket) == [True] * 20 and len(table) == 20
 
 
-def test_the_c_insert_holds_what_the_numpy_one_holds():
+def test_the_c_insert_holds_what_the_numpy_one_holds(monkeypatch):
     rng, by_c, by_numpy = random.Random(5), PresenceTable(), PresenceTable()
+    monkeypatch.setattr(presence, "_add", None)  # the reference table: numpy all through, its growth too
+    c_add = pytest.importorskip("tiers._presence").add
+    by_c._add_keys = lambda keys, _: PresenceTable._add_keys(by_c, keys, c_add)
     for step in range(200):
         # The same batches (repeats within them, keys held already) into both, by C and by numpy.
         add = [h(rng.randrange(5_000)) for _ in range(rng.randrange(1, 300))]
         by_c.add(add)
-        by_numpy._add_keys(keys_of(add), None)
+        by_numpy.add(add)
         # Discards leave tombstones that later inserts reuse.
         gone = [h(rng.randrange(5_000)) for _ in range(rng.randrange(0, 100))]
         by_c.discard(gone)
@@ -79,13 +84,23 @@ def test_the_c_insert_holds_what_the_numpy_one_holds():
         assert held_keys(by_c) == held_keys(by_numpy), step
         for t in (by_c, by_numpy):
             assert (len(t), t._used) == (len(held_keys(t)), int((t._buckets != 0).sum())), step
-    # Both grew past their first size; the C insert refuses a table with no room rather than loop.
-    assert by_c.nbytes > 4096 * 8
-    from tiers import _presence
+    # Both grew past their first size (the numpy one by numpy alone).
+    assert by_c.nbytes > 4096 * 8 and by_numpy.nbytes > 4096 * 8
+    # A key discarded and added again takes its tombstone back: no empty slot used up.
+    for t in (by_c, by_numpy):
+        t.add([h(9_999_999)])
+        used = t._used
+        t.discard([h(9_999_999)])
+        t.add([h(9_999_999)])
+        assert t._used == used and len(held_keys(t)) == len(t)
+    # The C insert refuses a table with no room rather than loop, and keys that mark empty or gone slots.
     full = PresenceTable()
     full._buckets[:] = 7
     with pytest.raises(RuntimeError, match="full"):
-        _presence.add(full._buckets, keys_of([h(1)]))
+        c_add(full._buckets, keys_of([h(1)]))
+    for marker in (0, 1):
+        with pytest.raises(ValueError, match="at least 2"):
+            c_add(PresenceTable()._buckets, np.array([marker], dtype=np.uint64))
 
 
 def test_the_c_lookup_is_built_and_takes_any_bytes_like_hash():
