@@ -19,13 +19,15 @@ keys expire, node records expire without heartbeats, and a node that
 (re)registers (first start, its record expired, Redis restarted empty)
 re-announces what it holds through the `on_register` callbacks, paced
 (announcements.py); told whether Redis lost its data (the epoch token
-changed), every node re-announces the S3 blocks it knows too.
+changed), every node re-announces the S3 blocks it knows too, and so it does
+after updates were dropped (the queue bound, below) and every half block TTL
+(entries of blocks still held must not lapse).
 
 Availability. Redis errors never reach callers (redis_link.py: counted,
 logged at a bounded rate, Redis left alone for a doubling backoff up to
 `max_backoff_s`); meanwhile calls return at once (``skipped``): lookups find
 nothing, manifests read None, block updates stay queued (bounded; the oldest
-are dropped and counted). A background thread heartbeats, drains the update
+are dropped and counted). An update Redis refuses (OOM) is counted, not retried. A background thread heartbeats, drains the update
 queue and probes Redis when it is down. On the hot path `publish` and
 `unpublish` only append to that queue; `locate_many` is one pipeline for the
 whole batch, and a store asks only about blocks its own tiers miss.
@@ -45,7 +47,8 @@ from typing import Callable, Iterable, Sequence
 
 from tiers.counters import Counters
 from cache_service.directory.announcements import Announcements
-from cache_service.directory.redis_link import Link, Unavailable, make_client, text
+from cache_service.directory.redis_link import Link, Unavailable, answered, make_client, text
+from cache_service.directory.redis_sessions import SessionKeys
 from tiers.types import BlockHash, ConfigError
 
 log = logging.getLogger(__name__)
@@ -65,12 +68,13 @@ class DirectoryStats(Counters):
     published: int = 0
     unpublished: int = 0
     dropped: int = 0  # queued updates lost to the queue bound
+    refused: int = 0  # update commands Redis answered with an error (OOM at maxmemory, WRONGTYPE): not retried
     reconnects: int = 0
     registrations: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
 
-class RedisDirectory:
+class RedisDirectory(SessionKeys):
     """Directory client of one node (`node_id`) or of a reader (`node_id` None:
     no registration, no heartbeat). Give `url` (``redis://host:port/db``) or
     `cluster_nodes` (startup ``(host, port)`` pairs of a Redis Cluster)."""
@@ -100,8 +104,9 @@ class RedisDirectory:
         self._callbacks: list[Callable[[bool], None]] = []
         self._pending: list[Callable[[bool], None]] = []  # added after the last registration
         self._registered = False
-        self._emptied = False  # whether Redis had lost its data at the last registration
-        self._next_beat = 0.0
+        self._emptied = False  # whether the last re-announcement was to cover S3 too
+        self._next_beat, self._announced_drops = 0.0, 0
+        self._refresh_at = time.monotonic() + block_ttl_s / 2  # re-announce all before entries lapse
         self._epoch: bytes | None = None  # the Redis lifetime this node last saw
         self._started = time.time()
         self._thread = threading.Thread(target=self._run, name="tierkv-directory", daemon=True)
@@ -116,10 +121,6 @@ class RedisDirectory:
 
     def _block_key(self, h: BlockHash) -> str:
         return f"{self._p}:b:{h.hex()}"
-
-    def _tenant_key(self, tenant: str, what: str) -> str:
-        assert "{" not in tenant and "}" not in tenant and "{" not in what
-        return f"{{{self._p}:t:{tenant or '_'}}}:{what}"
 
     # ------------------------------------------------------------ state
     @property
@@ -217,59 +218,6 @@ class RedisDirectory:
                 self._cv.wait(0.05 if left is None else min(left, 0.05))
         return True
 
-    # ------------------------------------------------------------ sessions and pins
-    def put_manifest(self, tenant: str, session_id: str, data: bytes, pinned_until: float = 0.0) -> bool:
-        """Store a manifest, index it, and set or clear its pin: one MULTI/EXEC."""
-        def op(r):
-            p = r.pipeline(transaction=True)
-            p.set(self._tenant_key(tenant, f"s:{session_id}"), data)
-            p.sadd(self._tenant_key(tenant, "index"), session_id)
-            pins = self._tenant_key(tenant, "pins")
-            if pinned_until > time.time():
-                p.zadd(pins, {session_id: pinned_until})
-            else:
-                p.zrem(pins, session_id)
-            p.execute()
-            return True
-
-        return self._link.call_or(op, "put session", False)
-
-    def get_manifest(self, tenant: str, session_id: str) -> bytes | None:
-        """The manifest, or None (absent, or Redis unusable)."""
-        return self._link.call_or(lambda r: r.get(self._tenant_key(tenant, f"s:{session_id}")),
-                                  "get session", None)
-
-    def list_manifests(self, tenant: str) -> list[str] | None:
-        """The tenant's session ids; None when Redis cannot be used."""
-        ids = self._link.call_or(lambda r: r.smembers(self._tenant_key(tenant, "index")),
-                                 "list sessions", None)
-        return None if ids is None else sorted(map(text, ids))
-
-    def delete_manifest(self, tenant: str, session_id: str) -> bool | None:
-        """Remove a manifest, its index entry and its pin; whether it existed
-        (None when Redis cannot be used)."""
-        def op(r):
-            p = r.pipeline(transaction=True)
-            p.delete(self._tenant_key(tenant, f"s:{session_id}"))
-            p.srem(self._tenant_key(tenant, "index"), session_id)
-            p.zrem(self._tenant_key(tenant, "pins"), session_id)
-            return bool(p.execute()[0])
-
-        return self._link.call_or(op, "delete session", None)
-
-    def pins(self, tenant: str) -> dict[str, float] | None:
-        """Pinned sessions of a tenant: id -> pinned until (epoch s); expired
-        pins are dropped. None when Redis cannot be used."""
-        def op(r):
-            key, now = self._tenant_key(tenant, "pins"), time.time()
-            p = r.pipeline(transaction=True)
-            p.zremrangebyscore(key, "-inf", now)
-            p.zrangebyscore(key, now, "+inf", withscores=True)
-            return p.execute()[1]
-
-        got = self._link.call_or(op, "pins", None)
-        return None if got is None else {text(k): float(v) for k, v in got}
-
     # ------------------------------------------------------------ background thread
     def _run(self) -> None:
         while True:
@@ -291,25 +239,34 @@ class RedisDirectory:
         return max(0.01, min(wait, self._link.retry_in()) if not self._link.up else wait)
 
     def _heartbeat(self) -> None:
-        """Refresh this node's record, then the live-node view; on a
-        (re)registration run the callbacks that re-publish holdings."""
-        registered, fresh, callbacks = False, False, []
+        """Refresh this node's record, then the live-node view; re-announcements owed are queued first."""
         try:
             if self.node_id:
-                registered, fresh = self._link.call(self._beat, "heartbeat", probe=True)  # this thread probes
+                self._owe(*self._link.call(self._beat, "heartbeat", probe=True))  # this thread probes
             records = self._link.call(self._read_nodes, "nodes", probe=True)
         except Unavailable:
             self._next_beat = time.monotonic() + self._link.retry_in()
             return
         with self._cv:
             self._records = records
-            if registered:
-                self._registered, self._emptied, self._pending = True, fresh, []
-                callbacks = list(self._callbacks)
         self._next_beat = time.monotonic() + self.heartbeat_ttl_s / 3
+
+    def _owe(self, registered: bool, emptied: bool) -> None:
+        """After a beat Redis took: on a (re)registration, Redis emptied,
+        updates dropped since the last time, or half the block TTL gone, the
+        callbacks re-publish holdings (all of them but on a plain
+        registration); `_run` calls them, whatever the rest of this beat meets."""
+        dropped, now = self.stats.dropped, time.monotonic()
+        everything = emptied or dropped != self._announced_drops or now >= self._refresh_at
+        if not (registered or everything):
+            return
+        if everything:
+            self._announced_drops, self._refresh_at = dropped, now + self.block_ttl_s / 2
+        with self._cv:
+            self._registered, self._emptied, self._pending = True, everything, list(self._callbacks)
+            self._cv.notify_all()
         if registered:
             self.stats.add(registrations=1)
-            self._run_callbacks(callbacks, fresh)
 
     @staticmethod
     def _run_callbacks(callbacks: list[Callable[[bool], None]], emptied: bool) -> None:
@@ -377,7 +334,13 @@ class RedisDirectory:
                 p.expire(key, ttl)
             else:
                 p.srem(key, where)
-        p.execute()
+        errors = [e for e in p.execute(raise_on_error=False) if isinstance(e, Exception)]
+        for e in errors:  # no answer from some node: an outage (the batch is queued again)
+            if not answered(e):
+                raise e
+        if errors:  # refused (OOM, a key of another type): queued again they would block every update behind
+            self.stats.add(refused=len(errors))
+            self._link.refused(f"{len(errors)} of a batch's block updates", errors[0])
 
     def close(self, timeout: float = 2.0) -> None:
         """Apply what is queued (up to `timeout`), deregister, stop."""

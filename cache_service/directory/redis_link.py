@@ -9,6 +9,11 @@ at once (``skipped``) without a round trip. Past the backoff, only a probe
 one at a time; other callers keep failing at once until a probe succeeds, so
 no engine request waits on a Redis that hangs. The first request that
 succeeds again ends the outage (``reconnects``).
+
+A request Redis answers with an error (OOM at `maxmemory`, WRONGTYPE) is
+not an outage: it fails alone (counted, logged, Unavailable to its caller)
+and Redis stays up for the rest, reads included; only errors that mean no
+answer, or an answer from the wrong server (a replica, a moving slot), do.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from typing import Callable, Sequence, TypeVar
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import (AskError, ClusterDownError, MovedError, ReadOnlyError, RedisClusterException, RedisError,
+                              ResponseError, TryAgainError)
 from redis.retry import Retry
 
 from tiers.counters import Counters
@@ -28,6 +34,12 @@ from tiers.counters import Counters
 # The directory's logger: operators (and tests) filter directory messages by one name.
 log = logging.getLogger("cache_service.directory.redis_directory")
 FAILURES = (RedisError, RedisClusterException, OSError)
+_NOT_ANSWERS = (ReadOnlyError, ClusterDownError, TryAgainError, MovedError, AskError)  # wrong server or none
+
+
+def answered(e: BaseException) -> bool:
+    """Whether Redis itself answered this error (up, the request refused)."""
+    return isinstance(e, ResponseError) and not isinstance(e, _NOT_ANSWERS)
 T = TypeVar("T")
 
 
@@ -73,17 +85,28 @@ class Link:
         try:
             out = fn(self._client_for(what))
         except FAILURES as e:
-            self._failed(what, e)
+            (self.refused if answered(e) else self._failed)(what, e)
             raise Unavailable from None
         finally:
             if probing:
                 self._probing = False
+        self._reached()
+        return out
+
+    def _reached(self) -> None:
+        """Redis answered: an outage, if one was on, is over."""
         if self._down:
             with self._lock:
                 self._down, self._backoff = False, 0.0
             self.stats.add(reconnects=1)
             log.warning("redis directory: reachable again")
-        return out
+
+    def refused(self, what: str, e: Exception) -> None:
+        """Redis answered `what` with error `e`: counted and logged (at a bounded rate), Redis up."""
+        self.stats.add(errors=1)
+        self._reached()
+        with self._lock:
+            self._log(what, e, "refused by Redis")
 
     def call_or(self, fn: Callable[[redis.Redis], T], what: str, default: T, probe: bool = False) -> T:
         """`fn(client)`, or `default` when Redis cannot be used."""
@@ -129,17 +152,19 @@ class Link:
         self._backoff = min(self.max_backoff_s, max(0.25, 2 * self._backoff))
         self._retry_at = time.monotonic() + self._backoff
         client, self._client = self._client, None  # rebuilt on retry: a new slot map, new sockets
-        now = time.monotonic()
-        speak = now >= self._next_log
-        if speak:
-            self._next_log, quiet, self._quiet = now + 10.0, self._quiet, 0
-        else:
-            self._quiet += 1
         if client is not None:
             _close_quietly(client)
-        if speak:
-            extra = f" (+{quiet} similar suppressed)" if quiet else ""
-            log.warning("redis directory: %s failed (%s); local-only for %.2fs%s", what, e, self._backoff, extra)
+        self._log(what, e, f"local-only for {self._backoff:.2f}s")
+
+    def _log(self, what: str, e: Exception, then: str) -> None:
+        """Warn at a bounded rate (caller holds the lock)."""
+        now = time.monotonic()
+        if now < self._next_log:
+            self._quiet += 1
+            return
+        self._next_log, quiet, self._quiet = now + 10.0, self._quiet, 0
+        extra = f" (+{quiet} similar suppressed)" if quiet else ""
+        log.warning("redis directory: %s failed (%s); %s%s", what, e, then, extra)
 
     def close(self) -> None:
         """Drop the client; a later call would build a new one."""

@@ -5,10 +5,14 @@ that leaves every store serving local hits and heals by itself."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
 import time
 import uuid
 
 import pytest
+import redis
 
 from cache_service.config import load_config
 from cache_service.factory import open_sessions, open_store
@@ -16,6 +20,7 @@ from cache_service.sessions.manifests import Session, SessionStore
 from tests.cache_service.store.store_helpers import NS, OBJ, all_same, hashes, write_flushed
 from tests.cache_service.sessions.test_pending_manifests import moto_bucket  # noqa: F401 (a fixture)
 from tests.integration.conftest import S3Server, servers
+from tests.integration.daemon_process import free_port
 from cache_service.directory.redis_directory import S3, RedisDirectory
 
 pytestmark = pytest.mark.slow
@@ -35,13 +40,13 @@ def open_node(target: dict, s3_server: S3Server, s3_bucket: str, tmp_path):
     with the directory, sharing this test's S3 prefix and Redis key prefix."""
     prefix, stores = f"d-{uuid.uuid4().hex[:8]}", []
 
-    def config(name: str, s3: bool = True, disk_blocks: int = 256) -> dict:
+    def config(name: str, s3: bool = True, disk_blocks: int = 256, **directory) -> dict:
         tiers = {"cpu": {"capacity": 64 * OBJ, "slot_bytes": OBJ},
                  "disk": {"path": str(tmp_path / name), "capacity": disk_blocks * OBJ, "fsync": False}}
         if s3:
             tiers["s3"] = {"bucket": s3_bucket, "prefix": prefix, "endpoint": s3_server.endpoint,
                            "capacity": "1GiB", "access_key": s3_server.access_key, "secret_key": s3_server.secret_key}
-        return {"tiers": tiers, "directory": target | {"node_id": name, "prefix": prefix, "heartbeat_ttl_s": 2.0}}
+        return {"tiers": tiers, "directory": target | {"node_id": name, "prefix": prefix, "heartbeat_ttl_s": 2.0} | directory}
 
     def open_node(name: str, **kw):
         stores.append(open_store(load_config(env={}, overrides=config(name, **kw))))
@@ -51,6 +56,27 @@ def open_node(target: dict, s3_server: S3Server, s3_bucket: str, tmp_path):
     yield open_node
     for s in stores:
         s.close()
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server of this test's own (stopped, filled up: nothing shared is touched); its URL."""
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    wait_until(lambda: _answers(url), 10)
+    yield proc, url
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.terminate()
+    proc.wait(10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return redis.Redis.from_url(url, socket_timeout=0.5).ping()
+    except redis.RedisError:
+        return False
 
 
 def wait_until(check, timeout: float = 20.0) -> None:
@@ -296,3 +322,76 @@ def test_without_s3_manifests_stay_on_the_node_that_wrote_them(tmp_path, redis_u
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("target", ["redis"], indirect=True)
+def test_a_registration_whose_heartbeat_fails_halfway_still_re_announces(open_node, monkeypatch):
+    # Y opened first: its S3 listing predates X's blocks, so only the directory tells it of them.
+    y, x = open_node("y"), open_node("x")
+    hs = hashes(8, start=4242)
+    write_flushed(x, hs)
+    assert y.lookup(hs) == 8
+    # Redis loses X's keys; X's next beat registers it again, then reading the node list times out once.
+    calls, read_nodes = [], x.directory._read_nodes
+    monkeypatch.setattr(x.directory, "_read_nodes", lambda r: read_nodes(r) if calls or calls.append(1) else
+                        (_ for _ in ()).throw(redis.exceptions.TimeoutError("Timeout reading from socket")))
+    r = redis.Redis.from_url(open_node.config("x")["directory"]["url"])
+    r.delete(*[k for pat in (f"tkv:{x.directory._p[4:]}:*", f"{{tkv:{x.directory._p[4:]}:*") for k in r.scan_iter(match=pat)])
+    # X re-announces its disk and S3 blocks all the same, and Y finds them again.
+    wait_until(lambda: y.lookup(hs) == 8)
+    assert calls
+
+
+@pytest.mark.parametrize("target", ["redis"], indirect=True)
+def test_entries_of_blocks_still_held_do_not_lapse(open_node):
+    # Entries expire after block_ttl_s (3 s here); X re-announces what it holds every half of it.
+    y, x = open_node("y", block_ttl_s=3), open_node("x", block_ttl_s=3)
+    hs = hashes(8, start=777)
+    write_flushed(x, hs)
+    assert y.lookup(hs) == 8
+    # Twice the TTL later, Y (whose S3 listing predates them) still finds them through the directory.
+    time.sleep(6)
+    assert y.lookup(hs) == 8
+
+
+@pytest.mark.parametrize("target", ["redis"], indirect=True)  # a Redis of its own
+def test_updates_dropped_while_redis_hung_are_repaired(open_node, own_redis):
+    proc, url = own_redis
+    y, x = open_node("y", url=url), open_node("x", url=url)
+    assert y.lookup(hashes(1, start=9000)) == 0
+    # Redis hangs (its data kept) while X stores 60 blocks: X's update queue (40 here) drops the oldest.
+    x.directory.queue_limit = 40
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.5)
+        during = hashes(60, start=9100)
+        for i in range(0, 60, 4):
+            write_flushed(x, during[i:i + 4])
+        assert x.directory.stats.dropped > 0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    # Once Redis answers, X re-announces everything it holds (its S3 blocks too): Y finds all 60.
+    wait_until(lambda: y.lookup(during) == 60)
+
+
+@pytest.mark.parametrize("target", ["redis"], indirect=True)  # a Redis of its own
+def test_redis_full_refuses_writes_but_lookups_go_on(open_node, own_redis):
+    proc, url = own_redis
+    y, x = open_node("y", url=url), open_node("x", url=url)
+    hs = hashes(8, start=5150)
+    write_flushed(x, hs)
+    assert y.lookup(hs) == 8
+    # Redis at maxmemory (noeviction): every write answers OOM; reads still work.
+    r = redis.Redis.from_url(url)
+    r.config_set("maxmemory", r.info("memory")["used_memory"] + 1)
+    more = hashes(4, start=5200)
+    write_flushed(x, more)
+    time.sleep(3)  # heartbeats refused meanwhile
+    # Refused requests are counted, yet the directory stays up: Y still finds X's S3 blocks.
+    assert x.directory.stats.errors > 0 and x.directory.stats.refused > 0
+    assert y.directory.available and y.lookup(hs) == 8
+    # Once Redis has room again, updates flow: the refused ones were dropped, not left blocking the queue.
+    r.config_set("maxmemory", 0)
+    later = hashes(4, start=5300)
+    write_flushed(x, later)
+    wait_until(lambda: y.lookup(later) == 4)
