@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import re
 import socket
 import threading
@@ -106,7 +107,7 @@ class RedisDirectory(SessionKeys):
         self._registered = False
         self._emptied = False  # whether the last re-announcement was to cover S3 too
         self._next_beat, self._announced_drops = 0.0, 0
-        self._refresh_at = time.monotonic() + block_ttl_s / 2  # re-announce all before entries lapse
+        self._refresh_at = time.monotonic() + self._refresh_s()  # re-announce all before entries lapse
         self._epoch: bytes | None = None  # the Redis lifetime this node last saw
         self._started = time.time()
         self._thread = threading.Thread(target=self._run, name="tierkv-directory", daemon=True)
@@ -232,6 +233,11 @@ class RedisDirectory(SessionKeys):
                 self._heartbeat()
             self._drain()
 
+    def _refresh_s(self) -> float:
+        """Seconds to the next re-announcement of everything: under half the block TTL, spread (nodes started
+        together do not all announce the whole bucket at once)."""
+        return self.block_ttl_s * random.uniform(0.4, 0.5)
+
     def _tick(self) -> float:
         """Seconds until the next heartbeat, or the next probe while down."""
         wait = max(0.0, self._next_beat - time.monotonic())
@@ -244,8 +250,8 @@ class RedisDirectory(SessionKeys):
             if self.node_id:
                 self._owe(*self._link.call(self._beat, "heartbeat", probe=True))  # this thread probes
             records = self._link.call(self._read_nodes, "nodes", probe=True)
-        except Unavailable:
-            self._next_beat = time.monotonic() + self._link.retry_in()
+        except Unavailable:  # down: probed again after the backoff; refused (Redis full): at the usual pace
+            self._next_beat = time.monotonic() + (self._link.retry_in() if not self._link.up else self.heartbeat_ttl_s / 3)
             return
         with self._cv:
             self._records = records
@@ -255,13 +261,16 @@ class RedisDirectory(SessionKeys):
         """After a beat Redis took: on a (re)registration, Redis emptied,
         updates dropped since the last time, or half the block TTL gone, the
         callbacks re-publish holdings (all of them but on a plain
-        registration); `_run` calls them, whatever the rest of this beat meets."""
+        registration); `_run` calls them, whatever the rest of this beat meets.
+        One under way is not started over but for Redis emptied (it would never end)."""
         dropped, now = self.stats.dropped, time.monotonic()
-        everything = emptied or dropped != self._announced_drops or now >= self._refresh_at
+        with self._cv:
+            idle = not self._announcing
+        everything = emptied or (idle and (dropped != self._announced_drops or now >= self._refresh_at))
         if not (registered or everything):
             return
         if everything:
-            self._announced_drops, self._refresh_at = dropped, now + self.block_ttl_s / 2
+            self._announced_drops, self._refresh_at = dropped, now + self._refresh_s()
         with self._cv:
             self._registered, self._emptied, self._pending = True, everything, list(self._callbacks)
             self._cv.notify_all()
@@ -300,8 +309,8 @@ class RedisDirectory(SessionKeys):
         return {i: json.loads(v) for i, v in zip(ids, recs) if v is not None}
 
     def _drain(self) -> None:
-        """Apply queued block updates, one pipeline per batch; a failed batch
-        goes back to the front of the queue."""
+        """Apply queued block updates, one pipeline per batch; a batch that
+        met an outage goes back to the front of the queue."""
         while True:
             with self._cv:
                 if len(self._queue) < _BATCH:  # re-announcements fill in behind live updates
@@ -313,10 +322,13 @@ class RedisDirectory(SessionKeys):
             try:
                 self._link.call(lambda r: self._apply(r, batch), "publish", probe=True)
             except Unavailable:
+                refused = self._link.up  # Redis answered the batch with an error: not retried (as in _apply)
                 with self._cv:
-                    self._queue.extendleft(reversed(batch))
+                    if not refused:
+                        self._queue.extendleft(reversed(batch))
                     self._busy = 0
                     self._cv.notify_all()
+                self.stats.add(refused=len(batch) if refused else 0)
                 return
             added = sum(1 for add, _, _ in batch if add)
             self.stats.add(published=added, unpublished=len(batch) - added)

@@ -207,10 +207,12 @@ class SharedSessionStore:
             if self.directory.available:
                 self._set_redis(tenant, session_id, s)
             return s
-        s = self._redis_copy(tenant, session_id)  # the only copy other nodes share
+        with self._lock:  # a write of this node's that Redis missed (or refused): its own copy is newer
+            missed = (tenant, session_id) in self._dirty
+        s = None if missed else self._redis_copy(tenant, session_id)  # the only copy other nodes share
         if s is None:
             s = self.durable.get(session_id, tenant)  # this node's own; Redis lost it (a restart): refill
-            if s is not None and self.directory.available:
+            if s is not None and self.directory.available and not missed:
                 self._to_redis(s)
         return s
 

@@ -385,8 +385,10 @@ def test_redis_full_refuses_writes_but_lookups_go_on(open_node, own_redis):
     r = redis.Redis.from_url(url)
     r.config_set("maxmemory", r.info("memory")["used_memory"] + 1)
     more = hashes(4, start=5200)
+    requests = x.directory.stats.requests
     write_flushed(x, more)
-    time.sleep(3)  # heartbeats refused meanwhile
+    time.sleep(3)  # heartbeats refused meanwhile, tried at their usual pace (every heartbeat_ttl_s / 3)
+    assert x.directory.stats.requests - requests < 30
     # Refused requests are counted, yet the directory stays up: Y still finds X's S3 blocks.
     assert x.directory.stats.errors > 0 and x.directory.stats.refused > 0
     assert y.directory.available and y.lookup(hs) == 8
@@ -395,3 +397,45 @@ def test_redis_full_refuses_writes_but_lookups_go_on(open_node, own_redis):
     later = hashes(4, start=5300)
     write_flushed(x, later)
     wait_until(lambda: y.lookup(later) == 4)
+
+
+def test_a_save_redis_refuses_is_read_back_from_this_nodes_copy(tmp_path, own_redis):
+    _, url = own_redis
+    # No S3: the durable copy is this node's files, and Redis's copy is read first.
+    cfg = load_config(env={}, overrides={"directory": {"url": url, "prefix": f"f-{uuid.uuid4().hex[:8]}"}})
+    sessions = open_sessions(cfg, tmp_path / "a")
+    try:
+        sessions.put(Session("turns", tenant="acme", token_ids=[1]))
+        # Redis fills up; the next turn's save lands on disk, and Redis refuses its copy.
+        r = redis.Redis.from_url(url)
+        r.config_set("maxmemory", r.info("memory")["used_memory"] + 1)
+        sessions.put(Session("turns", tenant="acme", token_ids=[1, 2, 3]))
+        # This node reads its own newer copy back, not Redis's older one.
+        assert sessions.directory.available and sessions.get("turns", "acme").token_ids == [1, 2, 3]
+        # Once Redis has room, the save reaches it at the next session call.
+        r.config_set("maxmemory", 0)
+        sessions.list("acme")
+        assert Session.from_json(r.get(sessions.directory._tenant_key("acme", "s:turns")), "redis",
+                                 ("turns", "acme")).token_ids == [1, 2, 3]
+    finally:
+        sessions.close()
+
+
+def test_a_re_announcement_finishes_while_updates_keep_being_dropped(own_redis):
+    _, url = own_redis
+    # A node holding 20,000 blocks (a second of paced re-announcement), its queue bound low.
+    held = [i.to_bytes(4, "little") + bytes(12) for i in range(20_000)]
+    d = RedisDirectory(url=url, node_id="n1", prefix=f"a-{uuid.uuid4().hex[:6]}", heartbeat_ttl_s=1.0, queue_limit=600)
+    d.on_register(lambda everything: d.announce("n1", held))
+    r = redis.Redis.from_url(url)
+    try:
+        # Bursts past the bound drop updates at every heartbeat (every 1/3 s), on and on...
+        deadline = time.monotonic() + 10
+        while not all(r.exists(d._block_key(h)) for h in held[-100:]):
+            assert time.monotonic() < deadline, "the re-announcement started over at every drop"
+            d.publish(S3, [uuid.uuid4().bytes for _ in range(700)])
+            time.sleep(0.25)
+        # ...and meanwhile the re-announcement, not started over at each drop, reached the holding's tail.
+        assert d.stats.dropped > 0
+    finally:
+        d.close()
