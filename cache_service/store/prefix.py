@@ -1,7 +1,7 @@
 """The longest prefix of a request's blocks that a store's tiers hold between them."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tiers.base import Tier
 from tiers.types import BlockHash
@@ -22,6 +22,22 @@ def held_prefix(hashes: Sequence[BlockHash], tiers: Sequence[Tier], asked: list[
             if tier is None:
                 break
             asked.append((pos, tier.contains_many(hashes[pos:])))
+    return pos
+
+
+def chunked_prefix(n: int, ask: Callable[[int, int], list[bool]], first: int = 32) -> int:
+    """The longest prefix of n positions that `ask(start, end)` answers True
+    for, asked in chunks that double from `first` (the directory, one round
+    trip each): a tail that misses early costs one small request, not one
+    about every block of a long cold prompt."""
+    pos, step = 0, first
+    while pos < n:
+        answers = ask(pos, min(n, pos + step))
+        k = _first_miss(answers, 0)
+        pos += k
+        if k < len(answers):
+            break
+        step *= 2
     return pos
 
 

@@ -47,7 +47,7 @@ from cache_service.config import StoreConfig
 from cache_service.store.eviction.base import EvictionPolicy
 from cache_service.store.pins import PinBook
 from cache_service.store.placement import Placement
-from cache_service.store.prefix import held_prefix
+from cache_service.store.prefix import chunked_prefix, held_prefix
 from cache_service.store.shared_slots import SharedSlots
 from cache_service.store.state import StoreState
 from cache_service.store.writer import Item, TierWriter
@@ -71,7 +71,7 @@ class TieredStore:
         st = self._state = StoreState(list(tiers), list(policies), list(write_modes), cfg or StoreConfig(), directory,
                                       journals=[journals.get(t.name) for t in tiers])
         self.tiers, self.modes, self.cfg, self.directory = st.tiers, st.modes, st.cfg, st.directory  # for callers
-        self._reads_s3 = directory is not None and any(t.name == "s3" for t in tiers)
+        self._s3 = next((t for t in tiers if t.name == "s3"), None) if directory is not None else None  # S3 via the directory
         self._placement = moves = Placement(st)
         self._slots = SharedSlots(st, moves)
         # writer 0 promotes hits into the top tier; writer i > 0 fills tier i
@@ -90,10 +90,10 @@ class TieredStore:
             inflight = self._state.inflight
             asked = [(0, list(map(inflight.__contains__, hashes)))] if inflight else []
         n = held_prefix(hashes, self.tiers, asked)
-        if n < len(hashes) and self._reads_s3:
-            past = self._or_in_s3(hashes[n:], [any(ans[j - at] for at, ans in asked if j >= at)
-                                               for j in range(n, len(hashes))])
-            n += next((k for k, ok in enumerate(past) if not ok), len(past))
+        if n < len(hashes) and self._s3 is not None and self._s3.available():  # in an outage a load there misses
+            tail = hashes[n:]
+            moving = [any(ans[j - at] for at, ans in asked if j >= at) for j in range(n, len(hashes))]
+            n += chunked_prefix(len(tail), lambda a, b: self._or_in_s3(tail[a:b], moving[a:b]))
         return n
 
     def holds(self, hashes: Sequence[BlockHash]) -> list[bool]:
@@ -101,7 +101,7 @@ class TieredStore:
         with self._state.meta:
             moving = [h in self._state.inflight for h in hashes]
         held = [any(col) for col in zip(moving, *(t.contains_many(hashes) for t in self.tiers))]
-        return self._or_in_s3(hashes, held) if self._reads_s3 else held
+        return self._or_in_s3(hashes, held) if self._s3 is not None else held
 
     def _or_in_s3(self, hashes: Sequence[BlockHash], held: list[bool]) -> list[bool]:
         """`held`, or in S3 as the directory says: one batched request for the misses."""

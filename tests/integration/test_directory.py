@@ -439,3 +439,20 @@ def test_a_re_announcement_finishes_while_updates_keep_being_dropped(own_redis):
         assert d.stats.dropped > 0
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("target", ["redis"], indirect=True)
+def test_a_lookup_asks_the_directory_only_what_it_needs(open_node):
+    y, x = open_node("y"), open_node("x")
+    hs = hashes(8, start=6100)
+    write_flushed(x, hs)
+    assert y.lookup(hs) == 8
+    # A long prompt whose tail nobody holds: the directory is asked about its first few blocks only.
+    cold = hs + hashes(1000, start=7000)
+    ask, sizes = y.directory.locate_many, []
+    y.directory.locate_many = lambda batch: sizes.append(len(batch)) or ask(batch)
+    assert y.lookup(cold) == 8 and sizes == [32]
+    # Y's S3 tier in an outage (left alone after failures): a load there would miss, so the lookup says so,
+    # without asking the directory at all.
+    y.tiers[-1]._outage.trip()
+    assert y.lookup(hs) == 0 and sizes == [32]
