@@ -48,7 +48,7 @@ from typing import Callable, Iterable, Sequence
 
 from tiers.counters import Counters
 from cache_service.directory.announcements import Announcements
-from cache_service.directory.redis_link import Link, Unavailable, answered, make_client, text
+from cache_service.directory.redis_link import Link, Refused, Unavailable, answered, make_client, text
 from cache_service.directory.redis_sessions import SessionKeys
 from tiers.types import BlockHash, ConfigError
 
@@ -250,8 +250,11 @@ class RedisDirectory(SessionKeys):
             if self.node_id:
                 self._owe(*self._link.call(self._beat, "heartbeat", probe=True))  # this thread probes
             records = self._link.call(self._read_nodes, "nodes", probe=True)
-        except Unavailable:  # down: probed again after the backoff; refused (Redis full): at the usual pace
-            self._next_beat = time.monotonic() + (self._link.retry_in() if not self._link.up else self.heartbeat_ttl_s / 3)
+        except Refused:  # Redis full, say: tried again at the usual pace
+            self._next_beat = time.monotonic() + self.heartbeat_ttl_s / 3
+            return
+        except Unavailable:  # down: probed again after the backoff
+            self._next_beat = time.monotonic() + self._link.retry_in()
             return
         with self._cv:
             self._records = records
@@ -315,14 +318,14 @@ class RedisDirectory(SessionKeys):
             with self._cv:
                 if len(self._queue) < _BATCH:  # re-announcements fill in behind live updates
                     self._queue.extend(self._announcing.take(_BATCH))
-                if not self._queue or not self._link.ready():
-                    return
+                if not self._queue or not self._link.ready() or time.monotonic() >= self._next_beat:
+                    return  # a heartbeat due goes first: a long backlog must not let this node's record expire
                 batch = [self._queue.popleft() for _ in range(min(_BATCH, len(self._queue)))]
                 self._busy = len(batch)
             try:
                 self._link.call(lambda r: self._apply(r, batch), "publish", probe=True)
-            except Unavailable:
-                refused = self._link.up  # Redis answered the batch with an error: not retried (as in _apply)
+            except Unavailable as e:
+                refused = isinstance(e, Refused)  # answered with an error: not retried (as in _apply)
                 with self._cv:
                     if not refused:
                         self._queue.extendleft(reversed(batch))

@@ -47,6 +47,10 @@ class Unavailable(Exception):
     """Internal: Redis is down or being left alone; callers get a default."""
 
 
+class Refused(Unavailable):
+    """Internal: Redis answered this request with an error (OOM, WRONGTYPE); it is up."""
+
+
 class Link:
     """The Redis client plus the outage state machine: run `fn(client)`,
     or raise Unavailable at once while backing off after a failure.
@@ -79,13 +83,17 @@ class Link:
         return max(0.0, self._retry_at - time.monotonic())
 
     def call(self, fn: Callable[[redis.Redis], T], what: str, probe: bool = False) -> T:
-        """`fn(client)`; raises Unavailable if Redis fails or is left alone.
-        During an outage only a `probe` tries it (one at a time)."""
+        """`fn(client)`; raises Unavailable if Redis fails or is left alone
+        (Refused if it answered with an error). During an outage only a
+        `probe` tries it (one at a time)."""
         probing = self._claim(probe)
         try:
             out = fn(self._client_for(what))
         except FAILURES as e:
-            (self.refused if answered(e) else self._failed)(what, e)
+            if answered(e):
+                self.refused(what, e)
+                raise Refused from None
+            self._failed(what, e)
             raise Unavailable from None
         finally:
             if probing:

@@ -244,8 +244,11 @@ class SharedSessionStore:
     def list(self, tenant: str = "") -> list[str]:
         check_ids("x", tenant)
         self._repair()
-        if not self.shared_durable:
-            return sorted(set(self.directory.list_manifests(tenant) or ()) | set(self.durable.list(tenant)))
+        if not self.shared_durable:  # less the ones deleted here that Redis missed (as `get` answers them)
+            here = set(self.durable.list(tenant))
+            with self._lock:
+                gone = {sid for t, sid in self._dirty if t == tenant} - here
+            return sorted((set(self.directory.list_manifests(tenant) or ()) | here) - gone)
         try:
             return sorted(self.durable.list(tenant))
         except SessionError:  # as `get`: Redis's index while the durable copies cannot be listed
@@ -271,6 +274,17 @@ class SharedSessionStore:
                    if (s := self.durable.get(sid, tenant)) is not None and s.pinned_until > now}
         return got
 
+    def _newer_in_redis(self, tenant: str, s: Session) -> bool:
+        """Whether Redis holds a later save of `s`'s session (another node's,
+        made since): a replay of `s` must not overwrite it."""
+        if self.shared_durable:  # the durable copy read for the replay is the latest there is
+            return False
+        try:
+            there = self._redis_copy(tenant, s.session_id)
+        except DamagedManifest:
+            return False
+        return there is not None and there.updated_s > s.updated_s
+
     def close(self) -> None:
         if self._owns:
             self.directory.close()
@@ -295,8 +309,8 @@ class SharedSessionStore:
                 continue
             except SessionError:  # the durable copies cannot be read now: replayed at a later call
                 return
-            ok = (self.directory.put_manifest(tenant, sid, s.to_json(), s.pinned_until) if s is not None
-                  else self.directory.delete_manifest(tenant, sid) is not None)
+            ok = (self.directory.delete_manifest(tenant, sid) is not None if s is None else
+                  self._newer_in_redis(tenant, s) or self.directory.put_manifest(tenant, sid, s.to_json(), s.pinned_until))
             if not ok:
                 return
             with self._lock:

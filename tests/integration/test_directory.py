@@ -456,3 +456,90 @@ def test_a_lookup_asks_the_directory_only_what_it_needs(open_node):
     # without asking the directory at all.
     y.tiers[-1]._outage.trip()
     assert y.lookup(hs) == 0 and sizes == [32]
+
+
+def test_a_long_backlog_does_not_let_the_nodes_record_expire(own_redis):
+    _, url = own_redis
+    d = RedisDirectory(url=url, node_id="n1", prefix=f"b-{uuid.uuid4().hex[:6]}", heartbeat_ttl_s=1.0)
+    try:
+        wait_until(lambda: d.stats.registrations == 1)
+        # A backlog that takes 3 s to apply (a slow Redis: 0.1 s a batch), three heartbeat TTLs.
+        apply = d._apply
+        d._apply = lambda r, batch: time.sleep(0.1) or apply(r, batch)
+        d.publish(S3, [uuid.uuid4().bytes for _ in range(512 * 30)])
+        # Heartbeats go on between batches: the node never looks dead, never registers again.
+        while not d.flush(0.2):
+            assert "n1" in d.nodes(fresh=True)
+        assert d.stats.registrations == 1 and d.stats.published == 512 * 30
+    finally:
+        d.close()
+
+
+def test_a_replayed_save_never_overwrites_a_later_one_from_another_node(tmp_path, own_redis):
+    _, url = own_redis
+    cfg = load_config(env={}, overrides={"directory": {"url": url, "prefix": f"r-{uuid.uuid4().hex[:8]}"}})
+    a, b = open_sessions(cfg, tmp_path / "a"), open_sessions(cfg, tmp_path / "b")
+    r = redis.Redis.from_url(url)
+    try:
+        a.put(Session("chat", tenant="acme", token_ids=[1]))
+        # Redis full: A's next turn is saved on A's disk only, waiting to be replayed into Redis.
+        r.config_set("maxmemory", r.info("memory")["used_memory"] + 1)
+        a.put(Session("chat", tenant="acme", token_ids=[1, 2]))
+        r.config_set("maxmemory", 0)
+        # B saves a later turn; then A's next session call replays what it owed, and must not win.
+        time.sleep(0.01)
+        b.put(Session("chat", tenant="acme", token_ids=[1, 9]))
+        a.list("acme")
+        assert b.get("chat", "acme").token_ids == [1, 9] and a.get("chat", "acme").token_ids == [1, 9]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_list_agrees_with_get_about_a_delete_redis_missed(tmp_path, own_redis):
+    proc, url = own_redis
+    cfg = load_config(env={}, overrides={"directory": {"url": url, "prefix": f"g-{uuid.uuid4().hex[:8]}"}})
+    a = open_sessions(cfg, tmp_path / "a")
+    r = redis.Redis.from_url(url)
+    try:
+        a.put(Session("s1", tenant="acme", token_ids=[1]))
+        a.put(Session("s2", tenant="acme", token_ids=[2]))
+        # A save Redis refuses waits first in line; then a delete misses Redis (it hangs a moment).
+        r.config_set("maxmemory", r.info("memory")["used_memory"] + 1)
+        a.put(Session("s1", tenant="acme", token_ids=[1, 1]))
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            a.delete("s2", "acme")
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        wait_until(lambda: a.directory.nodes(fresh=True) is not None and a.directory.available)
+        # Redis still refuses the save, so neither is replayed: list and get both say s2 is gone.
+        assert a.list("acme") == ["s1"] and a.get("s2", "acme") is None
+        assert a.get("s1", "acme").token_ids == [1, 1]
+    finally:
+        a.close()
+
+
+def test_the_link_tells_a_refusal_from_an_outage(own_redis):
+    from cache_service.directory.redis_link import Link, Refused, Unavailable, make_client
+    from cache_service.directory.redis_directory import DirectoryStats
+
+    proc, url = own_redis
+    stats = DirectoryStats()
+    link = Link(lambda: make_client(url, (), 0.3), stats, 0.5)
+    r = redis.Redis.from_url(url)
+    # Redis full: a write is refused (Refused), Redis stays up, a read goes through.
+    r.config_set("maxmemory", r.info("memory")["used_memory"] + 1)
+    with pytest.raises(Refused):
+        link.call(lambda c: c.set("k", "v"), "write")
+    assert link.up and link.call(lambda c: c.get("missing"), "read") is None
+    r.config_set("maxmemory", 0)
+    # Redis hung: the same write times out, an outage (Unavailable, not Refused); Redis is left alone.
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(Unavailable) as e:
+            link.call(lambda c: c.set("k", "v"), "write")
+        assert not isinstance(e.value, Refused) and not link.up
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    link.close()
