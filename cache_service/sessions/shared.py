@@ -188,7 +188,7 @@ class SharedSessionStore:
         (this node's own files) Redis is the only shared copy, read first."""
         self.directory, self.durable, self._owns = directory, durable, owns_directory
         self.shared_durable = shared_durable
-        self._dirty: dict[tuple[str, str], None] = {}  # (tenant, id) Redis may hold stale
+        self._dirty: dict[tuple[str, str], float] = {}  # (tenant, id) Redis may hold stale -> when it missed
         self._lock = threading.Lock()  # guards _dirty
 
     def get(self, session_id: str, tenant: str = "") -> Session | None:
@@ -239,7 +239,7 @@ class SharedSessionStore:
     def _to_redis(self, s: Session) -> None:
         if not self.directory.put_manifest(s.tenant, s.session_id, s.to_json(), s.pinned_until):
             with self._lock:
-                self._dirty[(s.tenant, s.session_id)] = None
+                self._dirty[(s.tenant, s.session_id)] = time.time()
 
     def list(self, tenant: str = "") -> list[str]:
         check_ids("x", tenant)
@@ -261,7 +261,7 @@ class SharedSessionStore:
         gone = self.directory.delete_manifest(tenant, session_id)
         if gone is None:
             with self._lock:
-                self._dirty[(tenant, session_id)] = None
+                self._dirty[(tenant, session_id)] = time.time()
         return existed or bool(gone)
 
     def pins(self, tenant: str = "") -> dict[str, float]:
@@ -274,16 +274,18 @@ class SharedSessionStore:
                    if (s := self.durable.get(sid, tenant)) is not None and s.pinned_until > now}
         return got
 
-    def _newer_in_redis(self, tenant: str, s: Session) -> bool:
-        """Whether Redis holds a later save of `s`'s session (another node's,
-        made since): a replay of `s` must not overwrite it."""
+    def _newer_in_redis(self, tenant: str, sid: str, since: float) -> bool:
+        """Whether Redis holds a save of the session made after `since` (another
+        node's): a replayed save or delete from before must not undo it. By
+        `updated_s`, each saving node's clock: they must agree to better than
+        the time between two saves of one session (NTP does)."""
         if self.shared_durable:  # the durable copy read for the replay is the latest there is
             return False
         try:
-            there = self._redis_copy(tenant, s.session_id)
+            there = self._redis_copy(tenant, sid)
         except DamagedManifest:
             return False
-        return there is not None and there.updated_s > s.updated_s
+        return there is not None and there.updated_s > since
 
     def close(self) -> None:
         if self._owns:
@@ -299,7 +301,7 @@ class SharedSessionStore:
             with self._lock:
                 if not self._dirty:
                     return
-                tenant, sid = next(iter(self._dirty))
+                (tenant, sid), missed_s = next(iter(self._dirty.items()))
             try:
                 s = self.durable.get(sid, tenant)
             except DamagedManifest as e:  # not replayable; it must not fail every session call on this node
@@ -309,8 +311,9 @@ class SharedSessionStore:
                 continue
             except SessionError:  # the durable copies cannot be read now: replayed at a later call
                 return
-            ok = (self.directory.delete_manifest(tenant, sid) is not None if s is None else
-                  self._newer_in_redis(tenant, s) or self.directory.put_manifest(tenant, sid, s.to_json(), s.pinned_until))
+            ok = self._newer_in_redis(tenant, sid, missed_s if s is None else s.updated_s) or (
+                self.directory.delete_manifest(tenant, sid) is not None if s is None else
+                self.directory.put_manifest(tenant, sid, s.to_json(), s.pinned_until))
             if not ok:
                 return
             with self._lock:

@@ -89,7 +89,7 @@ class TieredStore:
         with self._state.meta:
             inflight = self._state.inflight
             asked = [(0, list(map(inflight.__contains__, hashes)))] if inflight else []
-        n = held_prefix(hashes, self.tiers, asked)
+        n = held_prefix(hashes, [t for t in self.tiers if t.available()], asked)  # one in an outage: loads miss
         if n < len(hashes) and self._s3 is not None and self._s3.available():  # in an outage a load there misses
             tail = hashes[n:]
             moving = [any(ans[j - at] for at, ans in asked if j >= at) for j in range(n, len(hashes))]

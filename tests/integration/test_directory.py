@@ -543,3 +543,39 @@ def test_the_link_tells_a_refusal_from_an_outage(own_redis):
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     link.close()
+
+
+def test_a_replayed_delete_never_removes_a_later_save_from_another_node(tmp_path, own_redis):
+    proc, url = own_redis
+    cfg = load_config(env={}, overrides={"directory": {"url": url, "prefix": f"d-{uuid.uuid4().hex[:8]}"}})
+    a, b, c = (open_sessions(cfg, tmp_path / n) for n in "abc")
+    try:
+        a.put(Session("chat", tenant="acme", token_ids=[1]))
+        # A deletes the session while Redis hangs: the delete is owed to Redis.
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            a.delete("chat", "acme")
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        wait_until(lambda: a.directory.nodes(fresh=True) is not None and a.directory.available)
+        # B starts the session again; A's next session call replays its delete, which must not undo B's save.
+        time.sleep(0.01)
+        b.put(Session("chat", tenant="acme", token_ids=[7, 7]))
+        a.list("acme")
+        assert c.get("chat", "acme").token_ids == [7, 7] and c.list("acme") == ["chat"]
+    finally:
+        for s in (a, b, c):
+            s.close()
+
+
+@pytest.mark.parametrize("target", ["redis"], indirect=True)
+def test_a_lookup_counts_no_block_of_a_tier_in_an_outage(open_node):
+    x = open_node("x")
+    hs = hashes(8, start=9100)
+    write_flushed(x, hs)
+    # Y opens after: its S3 tier lists the blocks itself (no directory needed), and its other tiers lack them.
+    y = open_node("y")
+    assert y.tiers[-1].contains_many(hs) == [True] * 8 and y.lookup(hs) == 8
+    # Y's S3 tier in an outage: loads there miss, and the lookup says as much.
+    y.tiers[-1]._outage.trip()
+    assert y.lookup(hs) == 0 and y.load(NS, hs) == [None] * 8
