@@ -257,11 +257,12 @@ class SharedSessionStore:
     def delete(self, session_id: str, tenant: str = "") -> bool:
         check_ids(session_id, tenant)
         self._repair()
+        at = time.time()  # before Redis is tried: a save another node makes while this waits on it is later
         existed = self.durable.delete(session_id, tenant)
         gone = self.directory.delete_manifest(tenant, session_id)
         if gone is None:
             with self._lock:
-                self._dirty[(tenant, session_id)] = time.time()
+                self._dirty[(tenant, session_id)] = at
         return existed or bool(gone)
 
     def pins(self, tenant: str = "") -> dict[str, float]:

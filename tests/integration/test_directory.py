@@ -579,3 +579,24 @@ def test_a_lookup_counts_no_block_of_a_tier_in_an_outage(open_node):
     # Y's S3 tier in an outage: loads there miss, and the lookup says as much.
     y.tiers[-1]._outage.trip()
     assert y.lookup(hs) == 0 and y.load(NS, hs) == [None] * 8
+
+
+def test_a_delete_that_waited_on_redis_yields_to_a_save_made_meanwhile(tmp_path, own_redis, monkeypatch):
+    _, url = own_redis
+    cfg = load_config(env={}, overrides={"directory": {"url": url, "prefix": f"w-{uuid.uuid4().hex[:8]}"}})
+    a, b, c = (open_sessions(cfg, tmp_path / n) for n in "abc")
+    try:
+        a.put(Session("chat", tenant="acme", token_ids=[1]))
+        # A's delete waits on Redis until it times out; meanwhile B starts the session again.
+        def times_out(tenant: str, sid: str):
+            b.put(Session(sid, tenant=tenant, token_ids=[7, 7]))
+            return None
+        monkeypatch.setattr(a.directory, "delete_manifest", times_out)
+        a.delete("chat", "acme")
+        monkeypatch.undo()
+        # A's replay of its delete yields to B's save, made after the delete was.
+        a.list("acme")
+        assert c.get("chat", "acme").token_ids == [7, 7]
+    finally:
+        for s in (a, b, c):
+            s.close()
