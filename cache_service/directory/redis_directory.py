@@ -27,8 +27,9 @@ Availability. Redis errors never reach callers (redis_link.py: counted,
 logged at a bounded rate, Redis left alone for a doubling backoff up to
 `max_backoff_s`); meanwhile calls return at once (``skipped``): lookups find
 nothing, manifests read None, block updates stay queued (bounded; the oldest
-are dropped and counted). An update Redis refuses (OOM) is counted, not retried. A background thread heartbeats, drains the update
-queue and probes Redis when it is down. On the hot path `publish` and
+are dropped and counted). An update Redis refuses (OOM) is counted, not
+retried. A background thread heartbeats, drains the update queue and probes
+Redis when it is down. On the hot path `publish` and
 `unpublish` only append to that queue; `locate_many` is one pipeline for the
 whole batch, and a store asks only about blocks its own tiers miss.
 """
@@ -331,7 +332,8 @@ class RedisDirectory(SessionKeys):
                         self._queue.extendleft(reversed(batch))
                     self._busy = 0
                     self._cv.notify_all()
-                self.stats.add(refused=len(batch) if refused else 0)
+                if refused:
+                    self.stats.add(refused=len(batch))
                 return
             added = sum(1 for add, _, _ in batch if add)
             self.stats.add(published=added, unpublished=len(batch) - added)

@@ -25,14 +25,20 @@ def held_prefix(hashes: Sequence[BlockHash], tiers: Sequence[Tier], asked: list[
     return pos
 
 
-def chunked_prefix(n: int, ask: Callable[[int, int], list[bool]], first: int = 32) -> int:
-    """The longest prefix of n positions that `ask(start, end)` answers True
-    for, asked in chunks that double from `first` (the directory, one round
-    trip each): a tail that misses early costs one small request, not one
-    about every block of a long cold prompt."""
-    pos, step = 0, first
-    while pos < n:
-        answers = ask(pos, min(n, pos + step))
+def covered(asked: list[tuple[int, list[bool]]], start: int, end: int) -> list[bool]:
+    """Whether any of `asked` (as `held_prefix` leaves it) holds each of positions start..end-1."""
+    return [any(ans[j - at] for at, ans in asked if j >= at) for j in range(start, end)]
+
+
+def chunked_prefix(start: int, end: int, ask: Callable[[int, int], list[bool]], first: int = 32) -> int:
+    """Where the run of positions from `start` that `ask(a, b)` answers True
+    for (about positions a..b-1) ends, before `end`; asked in chunks that
+    double from `first` (the directory, one round trip each): a tail that
+    misses early costs one small request, not one about every block of a
+    long cold prompt."""
+    pos, step = start, first
+    while pos < end:
+        answers = ask(pos, min(end, pos + step))
         k = _first_miss(answers, 0)
         pos += k
         if k < len(answers):

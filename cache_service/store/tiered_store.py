@@ -47,7 +47,7 @@ from cache_service.config import StoreConfig
 from cache_service.store.eviction.base import EvictionPolicy
 from cache_service.store.pins import PinBook
 from cache_service.store.placement import Placement
-from cache_service.store.prefix import chunked_prefix, held_prefix
+from cache_service.store.prefix import chunked_prefix, covered, held_prefix
 from cache_service.store.shared_slots import SharedSlots
 from cache_service.store.state import StoreState
 from cache_service.store.writer import Item, TierWriter
@@ -91,9 +91,7 @@ class TieredStore:
             asked = [(0, list(map(inflight.__contains__, hashes)))] if inflight else []
         n = held_prefix(hashes, [t for t in self.tiers if t.available()], asked)  # one in an outage: loads miss
         if n < len(hashes) and self._s3 is not None and self._s3.available():  # in an outage a load there misses
-            tail = hashes[n:]
-            moving = [any(ans[j - at] for at, ans in asked if j >= at) for j in range(n, len(hashes))]
-            n += chunked_prefix(len(tail), lambda a, b: self._or_in_s3(tail[a:b], moving[a:b]))
+            n = chunked_prefix(n, len(hashes), lambda a, b: self._or_in_s3(hashes[a:b], covered(asked, a, b)))
         return n
 
     def holds(self, hashes: Sequence[BlockHash]) -> list[bool]:
