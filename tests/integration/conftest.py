@@ -3,12 +3,16 @@
 Each fixture reads ``$TIERKV_SERVERS_DIR/env`` (written by
 ``scripts/servers.sh``); if its server does not answer, it starts it with the
 script. Under CI (``CI=true``) a server that cannot be started fails the test;
-elsewhere the test is skipped with the reason.
+elsewhere the test is skipped with the reason. Also: stores with a Redis
+directory (`open_node`, over `target`: one Redis or the cluster) and a
+redis-server of one test's own (`own_redis`) to stop or fill up.
 """
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -149,3 +153,70 @@ def redis_cluster_nodes() -> list[tuple[str, int]]:
     """Startup nodes of a 3-master Redis Cluster (for redis-py's RedisCluster)."""
     nodes = _ensure("redis-cluster", "TIERKV_TEST_REDIS_CLUSTER", _cluster_answers)["TIERKV_TEST_REDIS_CLUSTER"]
     return [(h, int(p)) for h, p in (n.split(":") for n in nodes.split(","))]
+
+
+# ------------------------------------------------------------------ stores and Redis servers of one test
+
+def wait_until(check: Callable[[], object], timeout: float = 20.0) -> None:
+    """Poll `check` until it is true; fail the test past `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.1)
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def target(request) -> dict:
+    """[directory] connection settings: one Redis, or the cluster."""
+    if request.param == "redis":
+        return {"url": request.getfixturevalue("redis_url")}
+    return {"cluster": ",".join(f"{h}:{p}" for h, p in request.getfixturevalue("redis_cluster_nodes"))}
+
+
+@pytest.fixture
+def open_node(target: dict, s3_server: S3Server, s3_bucket: str, tmp_path):
+    """`open_node(name, s3=True, disk_blocks=256, **directory)`: a store cpu -> disk [-> s3]
+    with the directory, sharing this test's S3 prefix and Redis key prefix."""
+    from cache_service.config import load_config
+    from cache_service.factory import open_store
+    from tests.cache_service.store.store_helpers import OBJ
+
+    prefix, stores = f"d-{uuid.uuid4().hex[:8]}", []
+
+    def config(name: str, s3: bool = True, disk_blocks: int = 256, **directory) -> dict:
+        tiers = {"cpu": {"capacity": 64 * OBJ, "slot_bytes": OBJ},
+                 "disk": {"path": str(tmp_path / name), "capacity": disk_blocks * OBJ, "fsync": False}}
+        if s3:
+            tiers["s3"] = {"bucket": s3_bucket, "prefix": prefix, "endpoint": s3_server.endpoint,
+                           "capacity": "1GiB", "access_key": s3_server.access_key, "secret_key": s3_server.secret_key}
+        return {"tiers": tiers, "directory": target | {"node_id": name, "prefix": prefix, "heartbeat_ttl_s": 2.0} | directory}
+
+    def open_node(name: str, **kw):
+        stores.append(open_store(load_config(env={}, overrides=config(name, **kw))))
+        return stores[-1]
+
+    open_node.config = config
+    yield open_node
+    for s in stores:
+        s.close()
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server of this test's own (stopped, filled up: nothing shared is touched): (process, URL)."""
+    from tests.integration.daemon_process import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    wait_until(lambda: _redis_answers(url), 10)
+    yield proc, url
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.terminate()
+    proc.wait(10)
+
+
+def fill_up(r) -> None:
+    """Redis (a client of a test's own server) at maxmemory, noeviction: writes answer OOM, reads still work."""
+    r.config_set("maxmemory", r.info("memory")["used_memory"] + 1)

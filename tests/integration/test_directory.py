@@ -1,13 +1,13 @@
 """The Redis directory (cache_service/directory/redis_directory.py) under TieredStores, against a real
 redis-server and a real 3-node Redis Cluster, with Ceph's S3 behind: where
-blocks are, which nodes live, shared session manifests, and a Redis outage
-that leaves every store serving local hits and heals by itself."""
+blocks are, which nodes live, a Redis outage that leaves every store serving
+local hits and heals by itself, a Redis that is full, and what a node owes
+Redis after either. Shared session manifests: test_directory_sessions.py."""
 from __future__ import annotations
 
 import logging
 import os
 import signal
-import subprocess
 import time
 import uuid
 
@@ -15,75 +15,13 @@ import pytest
 import redis
 
 from cache_service.config import load_config
-from cache_service.factory import open_sessions, open_store
-from cache_service.sessions.manifests import Session, SessionStore
-from tests.cache_service.store.store_helpers import NS, OBJ, all_same, hashes, write_flushed
-from tests.cache_service.sessions.test_pending_manifests import moto_bucket  # noqa: F401 (a fixture)
-from tests.integration.conftest import S3Server, servers
-from tests.integration.daemon_process import free_port
+from cache_service.factory import open_sessions
+from cache_service.sessions.manifests import Session
+from tests.cache_service.store.store_helpers import NS, all_same, hashes, write_flushed
+from tests.integration.conftest import fill_up, servers, wait_until
 from cache_service.directory.redis_directory import S3, RedisDirectory
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(params=["redis", "redis-cluster"])
-def target(request) -> dict:
-    """[directory] connection settings: one Redis, or the cluster."""
-    if request.param == "redis":
-        return {"url": request.getfixturevalue("redis_url")}
-    return {"cluster": ",".join(f"{h}:{p}" for h, p in request.getfixturevalue("redis_cluster_nodes"))}
-
-
-@pytest.fixture
-def open_node(target: dict, s3_server: S3Server, s3_bucket: str, tmp_path):
-    """`open_node(name, s3=True, disk_blocks=256)`: a store cpu -> disk [-> s3]
-    with the directory, sharing this test's S3 prefix and Redis key prefix."""
-    prefix, stores = f"d-{uuid.uuid4().hex[:8]}", []
-
-    def config(name: str, s3: bool = True, disk_blocks: int = 256, **directory) -> dict:
-        tiers = {"cpu": {"capacity": 64 * OBJ, "slot_bytes": OBJ},
-                 "disk": {"path": str(tmp_path / name), "capacity": disk_blocks * OBJ, "fsync": False}}
-        if s3:
-            tiers["s3"] = {"bucket": s3_bucket, "prefix": prefix, "endpoint": s3_server.endpoint,
-                           "capacity": "1GiB", "access_key": s3_server.access_key, "secret_key": s3_server.secret_key}
-        return {"tiers": tiers, "directory": target | {"node_id": name, "prefix": prefix, "heartbeat_ttl_s": 2.0} | directory}
-
-    def open_node(name: str, **kw):
-        stores.append(open_store(load_config(env={}, overrides=config(name, **kw))))
-        return stores[-1]
-
-    open_node.config = config
-    yield open_node
-    for s in stores:
-        s.close()
-
-
-@pytest.fixture
-def own_redis(tmp_path):
-    """A redis-server of this test's own (stopped, filled up: nothing shared is touched); its URL."""
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    wait_until(lambda: _answers(url), 10)
-    yield proc, url
-    os.kill(proc.pid, signal.SIGCONT)
-    proc.terminate()
-    proc.wait(10)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return redis.Redis.from_url(url, socket_timeout=0.5).ping()
-    except redis.RedisError:
-        return False
-
-
-def wait_until(check, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.1)
 
 
 def test_a_block_stored_on_one_node_is_found_through_the_directory_on_another(open_node):
@@ -188,82 +126,6 @@ def test_a_flush_does_not_wait_for_a_large_disks_re_announcement(redis_url):
         d.close(timeout=0.1)
 
 
-def test_sessions_are_shared_through_redis_and_kept_in_s3(open_node):
-    x, y = open_node("x"), open_node("y")
-    on_x = open_sessions(load_config(env={}, overrides=open_node.config("x")), "/nonexistent", x)
-    on_y = open_sessions(load_config(env={}, overrides=open_node.config("y")), "/nonexistent", y)
-    # X saves a pinned session; Y reads it, lists it and sees the pin.
-    s = Session("trip-1", tenant="acme", token_ids=list(range(40)), messages=[{"role": "user", "content": "hi"}],
-                pinned_until=time.time() + 60)
-    on_x.put(s)
-    got = on_y.get("trip-1", "acme")
-    assert (got.token_ids, got.messages) == (s.token_ids, s.messages)
-    assert on_y.list("acme") == ["trip-1"] and on_y.list("globex") == []
-    assert on_y.pins("acme") == {"trip-1": pytest.approx(s.pinned_until)}
-    # The durable copy in S3 (the source of truth) holds the same manifest.
-    assert on_y.durable.get("trip-1", "acme").token_ids == s.token_ids
-    assert y.directory.get_manifest("acme", "trip-1") is not None
-    # Delete removes it from both.
-    assert on_y.delete("trip-1", "acme")
-    assert on_x.get("trip-1", "acme") is None and on_x.durable.get("trip-1", "acme") is None
-    assert on_x.list("acme") == [] and on_x.pins("acme") == {}
-
-
-@pytest.mark.parametrize("target", ["redis"], indirect=True)
-def test_a_stale_redis_copy_never_stands_for_the_session(open_node, tmp_path):
-    from cache_service.sessions.shared import SharedSessionStore
-    x = open_node("x")
-    durable = SessionStore(tmp_path / "durable")
-    shared = SharedSessionStore(x.directory, durable)
-    shared.put(Session("plan", tenant="acme", token_ids=[1]))
-    # A save of turn 2 reached the durable copy but missed Redis (a restart that kept its data, say).
-    old = x.directory.get_manifest("acme", "plan")
-    durable.put(Session("plan", tenant="acme", token_ids=[1, 2]))
-    # Any node reads turn 2, and Redis's copy is set right.
-    assert shared.get("plan", "acme").token_ids == [1, 2]
-    assert x.directory.get_manifest("acme", "plan") != old
-    # A delete that missed Redis: the session is gone for every reader, and from Redis.
-    durable.delete("plan", "acme")
-    assert shared.get("plan", "acme") is None and shared.list("acme") == []
-    assert x.directory.get_manifest("acme", "plan") is None
-
-
-@pytest.mark.parametrize("target", ["redis"], indirect=True)
-def test_a_damaged_manifest_waiting_for_redis_does_not_fail_every_session_call(open_node, tmp_path):
-    from cache_service.sessions.shared import SharedSessionStore
-    x = open_node("x")
-    durable = SessionStore(tmp_path / "durable")
-    shared = SharedSessionStore(x.directory, durable)
-    # A save misses Redis (replayed later), and its durable file is damaged meanwhile.
-    real = x.directory.put_manifest
-    x.directory.put_manifest = lambda *a, **kw: False
-    shared.put(Session("plan", tenant="acme", token_ids=[1]))
-    x.directory.put_manifest = real
-    (tmp_path / "durable" / "sessions" / "acme" / "plan.json").write_text("{not json")
-    # Other sessions' calls on this node go on.
-    shared.put(Session("other", tenant="acme", token_ids=[2]))
-    assert shared.get("other", "acme").token_ids == [2] and "other" in shared.list("acme")
-
-
-@pytest.mark.parametrize("target", ["redis"], indirect=True)
-def test_a_manifest_damaged_in_s3_is_an_error_not_no_session(open_node, tmp_path, moto_bucket):
-    from cache_service.sessions.manifests import DamagedManifest
-    from cache_service.sessions.shared import PendingManifests, S3Manifests, SharedSessionStore
-
-    moto, cfg = moto_bucket
-    shared = SharedSessionStore(open_node("x").directory, PendingManifests(S3Manifests(cfg), SessionStore(tmp_path),
-                                                                           retry_s=3600))
-    # A manifest damaged in S3 with no copy in Redis is an error: "no session" would start it over.
-    moto.client().put_object(Bucket=cfg.bucket, Key=f"{cfg.prefix}-sessions/acme/broken.json", Body=b"{not json")
-    with pytest.raises(DamagedManifest):
-        shared.get("broken", "acme")
-    # With a copy in Redis, that copy is read.
-    shared.put(Session("kept", tenant="acme", token_ids=[1, 2]))
-    moto.client().put_object(Bucket=cfg.bucket, Key=f"{cfg.prefix}-sessions/acme/kept.json", Body=b"{not json")
-    assert shared.get("kept", "acme").token_ids == [1, 2]
-    shared.durable.close()
-
-
 @pytest.mark.parametrize("target", ["redis"], indirect=True)  # stopping Redis is what is tested
 def test_redis_outage_leaves_stores_local_only_and_heals(open_node, caplog):
     y, x = open_node("y"), open_node("x")
@@ -309,19 +171,6 @@ def test_redis_outage_leaves_stores_local_only_and_heals(open_node, caplog):
     assert y.directory.get_manifest("acme", "before") is None
     assert on_y.get("before", "acme").token_ids == [1, 2, 3]
     assert y.directory.get_manifest("acme", "before") is not None
-
-
-def test_without_s3_manifests_stay_on_the_node_that_wrote_them(tmp_path, redis_url):
-    # No S3 tier: the durable copy is local files; Redis still shares them.
-    cfg = load_config(env={}, overrides={"directory": {"url": redis_url, "prefix": f"l-{uuid.uuid4().hex[:8]}"}})
-    a, b = open_sessions(cfg, tmp_path / "a"), open_sessions(cfg, tmp_path / "b")
-    try:
-        a.put(Session("local-1", tenant="acme", token_ids=[7]))
-        assert isinstance(a.durable, SessionStore) and a.durable.get("local-1", "acme") is not None
-        assert b.get("local-1", "acme").token_ids == [7] and b.durable.get("local-1", "acme") is None
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("target", ["redis"], indirect=True)
@@ -383,7 +232,7 @@ def test_redis_full_refuses_writes_but_lookups_go_on(open_node, own_redis):
     assert y.lookup(hs) == 8
     # Redis at maxmemory (noeviction): every write answers OOM; reads still work.
     r = redis.Redis.from_url(url)
-    r.config_set("maxmemory", r.info("memory")["used_memory"] + 1)
+    fill_up(r)
     more = hashes(4, start=5200)
     requests = x.directory.stats.requests
     write_flushed(x, more)
@@ -397,28 +246,6 @@ def test_redis_full_refuses_writes_but_lookups_go_on(open_node, own_redis):
     later = hashes(4, start=5300)
     write_flushed(x, later)
     wait_until(lambda: y.lookup(later) == 4)
-
-
-def test_a_save_redis_refuses_is_read_back_from_this_nodes_copy(tmp_path, own_redis):
-    _, url = own_redis
-    # No S3: the durable copy is this node's files, and Redis's copy is read first.
-    cfg = load_config(env={}, overrides={"directory": {"url": url, "prefix": f"f-{uuid.uuid4().hex[:8]}"}})
-    sessions = open_sessions(cfg, tmp_path / "a")
-    try:
-        sessions.put(Session("turns", tenant="acme", token_ids=[1]))
-        # Redis fills up; the next turn's save lands on disk, and Redis refuses its copy.
-        r = redis.Redis.from_url(url)
-        r.config_set("maxmemory", r.info("memory")["used_memory"] + 1)
-        sessions.put(Session("turns", tenant="acme", token_ids=[1, 2, 3]))
-        # This node reads its own newer copy back, not Redis's older one.
-        assert sessions.directory.available and sessions.get("turns", "acme").token_ids == [1, 2, 3]
-        # Once Redis has room, the save reaches it at the next session call.
-        r.config_set("maxmemory", 0)
-        sessions.list("acme")
-        assert Session.from_json(r.get(sessions.directory._tenant_key("acme", "s:turns")), "redis",
-                                 ("turns", "acme")).token_ids == [1, 2, 3]
-    finally:
-        sessions.close()
 
 
 def test_a_re_announcement_finishes_while_updates_keep_being_dropped(own_redis):
@@ -475,51 +302,6 @@ def test_a_long_backlog_does_not_let_the_nodes_record_expire(own_redis):
         d.close()
 
 
-def test_a_replayed_save_never_overwrites_a_later_one_from_another_node(tmp_path, own_redis):
-    _, url = own_redis
-    cfg = load_config(env={}, overrides={"directory": {"url": url, "prefix": f"r-{uuid.uuid4().hex[:8]}"}})
-    a, b = open_sessions(cfg, tmp_path / "a"), open_sessions(cfg, tmp_path / "b")
-    r = redis.Redis.from_url(url)
-    try:
-        a.put(Session("chat", tenant="acme", token_ids=[1]))
-        # Redis full: A's next turn is saved on A's disk only, waiting to be replayed into Redis.
-        r.config_set("maxmemory", r.info("memory")["used_memory"] + 1)
-        a.put(Session("chat", tenant="acme", token_ids=[1, 2]))
-        r.config_set("maxmemory", 0)
-        # B saves a later turn; then A's next session call replays what it owed, and must not win.
-        time.sleep(0.01)
-        b.put(Session("chat", tenant="acme", token_ids=[1, 9]))
-        a.list("acme")
-        assert b.get("chat", "acme").token_ids == [1, 9] and a.get("chat", "acme").token_ids == [1, 9]
-    finally:
-        a.close()
-        b.close()
-
-
-def test_list_agrees_with_get_about_a_delete_redis_missed(tmp_path, own_redis):
-    proc, url = own_redis
-    cfg = load_config(env={}, overrides={"directory": {"url": url, "prefix": f"g-{uuid.uuid4().hex[:8]}"}})
-    a = open_sessions(cfg, tmp_path / "a")
-    r = redis.Redis.from_url(url)
-    try:
-        a.put(Session("s1", tenant="acme", token_ids=[1]))
-        a.put(Session("s2", tenant="acme", token_ids=[2]))
-        # A save Redis refuses waits first in line; then a delete misses Redis (it hangs a moment).
-        r.config_set("maxmemory", r.info("memory")["used_memory"] + 1)
-        a.put(Session("s1", tenant="acme", token_ids=[1, 1]))
-        os.kill(proc.pid, signal.SIGSTOP)
-        try:
-            a.delete("s2", "acme")
-        finally:
-            os.kill(proc.pid, signal.SIGCONT)
-        wait_until(lambda: a.directory.nodes(fresh=True) is not None and a.directory.available)
-        # Redis still refuses the save, so neither is replayed: list and get both say s2 is gone.
-        assert a.list("acme") == ["s1"] and a.get("s2", "acme") is None
-        assert a.get("s1", "acme").token_ids == [1, 1]
-    finally:
-        a.close()
-
-
 def test_the_link_tells_a_refusal_from_an_outage(own_redis):
     from cache_service.directory.redis_link import Link, Refused, Unavailable, make_client
     from cache_service.directory.redis_directory import DirectoryStats
@@ -529,7 +311,7 @@ def test_the_link_tells_a_refusal_from_an_outage(own_redis):
     link = Link(lambda: make_client(url, (), 0.3), stats, 0.5)
     r = redis.Redis.from_url(url)
     # Redis full: a write is refused (Refused), Redis stays up, a read goes through.
-    r.config_set("maxmemory", r.info("memory")["used_memory"] + 1)
+    fill_up(r)
     with pytest.raises(Refused):
         link.call(lambda c: c.set("k", "v"), "write")
     assert link.up and link.call(lambda c: c.get("missing"), "read") is None
@@ -545,29 +327,6 @@ def test_the_link_tells_a_refusal_from_an_outage(own_redis):
     link.close()
 
 
-def test_a_replayed_delete_never_removes_a_later_save_from_another_node(tmp_path, own_redis):
-    proc, url = own_redis
-    cfg = load_config(env={}, overrides={"directory": {"url": url, "prefix": f"d-{uuid.uuid4().hex[:8]}"}})
-    a, b, c = (open_sessions(cfg, tmp_path / n) for n in "abc")
-    try:
-        a.put(Session("chat", tenant="acme", token_ids=[1]))
-        # A deletes the session while Redis hangs: the delete is owed to Redis.
-        os.kill(proc.pid, signal.SIGSTOP)
-        try:
-            a.delete("chat", "acme")
-        finally:
-            os.kill(proc.pid, signal.SIGCONT)
-        wait_until(lambda: a.directory.nodes(fresh=True) is not None and a.directory.available)
-        # B starts the session again; A's next session call replays its delete, which must not undo B's save.
-        time.sleep(0.01)
-        b.put(Session("chat", tenant="acme", token_ids=[7, 7]))
-        a.list("acme")
-        assert c.get("chat", "acme").token_ids == [7, 7] and c.list("acme") == ["chat"]
-    finally:
-        for s in (a, b, c):
-            s.close()
-
-
 @pytest.mark.parametrize("target", ["redis"], indirect=True)
 def test_a_lookup_counts_no_block_of_a_tier_in_an_outage(open_node):
     x = open_node("x")
@@ -579,24 +338,3 @@ def test_a_lookup_counts_no_block_of_a_tier_in_an_outage(open_node):
     # Y's S3 tier in an outage: loads there miss, and the lookup says as much.
     y.tiers[-1]._outage.trip()
     assert y.lookup(hs) == 0 and y.load(NS, hs) == [None] * 8
-
-
-def test_a_delete_that_waited_on_redis_yields_to_a_save_made_meanwhile(tmp_path, own_redis, monkeypatch):
-    _, url = own_redis
-    cfg = load_config(env={}, overrides={"directory": {"url": url, "prefix": f"w-{uuid.uuid4().hex[:8]}"}})
-    a, b, c = (open_sessions(cfg, tmp_path / n) for n in "abc")
-    try:
-        a.put(Session("chat", tenant="acme", token_ids=[1]))
-        # A's delete waits on Redis until it times out; meanwhile B starts the session again.
-        def times_out(tenant: str, sid: str):
-            b.put(Session(sid, tenant=tenant, token_ids=[7, 7]))
-            return None
-        monkeypatch.setattr(a.directory, "delete_manifest", times_out)
-        a.delete("chat", "acme")
-        monkeypatch.undo()
-        # A's replay of its delete yields to B's save, made after the delete was.
-        a.list("acme")
-        assert c.get("chat", "acme").token_ids == [7, 7]
-    finally:
-        for s in (a, b, c):
-            s.close()

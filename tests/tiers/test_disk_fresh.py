@@ -285,11 +285,17 @@ def test_fresh_records_are_merged_once_they_describe_enough_bytes(tmp_path, monk
     tier.close()
 
 
-def test_a_merge_never_counts_a_block_twice(tmp_path, monkeypatch):
+def tier_with_fresh_records(tmp_path) -> tuple[DiskTier, list]:
+    """A swept tier and the 12 blocks it holds, their records fresh (in memory, not merged yet)."""
     tier = DiskTier(tmp_path, 64 * MB)
     assert tier.swept.wait(30)
     hs = keys(12)
     tier.put_many(hs, [block_for(h) for h in hs])
+    return tier, hs
+
+
+def test_a_merge_never_counts_a_block_twice(tmp_path, monkeypatch):
+    tier, hs = tier_with_fresh_records(tmp_path)
     # Between a merge's commits and the fresh records' drop, the blocks are in both places: the tier's
     # totals (what eviction reads as used space) count them once all the same, after each transaction too.
     seen, merged, write = [], tier._fresh.merged, tier.index.write
@@ -305,10 +311,7 @@ def test_a_merge_never_counts_a_block_twice(tmp_path, monkeypatch):
 
 
 def test_a_merge_the_index_refuses_midway_keeps_the_rest_fresh(tmp_path, monkeypatch):
-    tier = DiskTier(tmp_path, 64 * MB)
-    assert tier.swept.wait(30)
-    hs = keys(12)
-    tier.put_many(hs, [block_for(h) for h in hs])
+    tier, hs = tier_with_fresh_records(tmp_path)
     # lmdb takes the first transaction of 5 records and refuses the second (its map full).
     calls, write = [], tier.index.write
     monkeypatch.setattr(tier.index, "write", lambda *a: calls.append(1) or (len(calls) == 1 and write(*a)))
