@@ -17,7 +17,8 @@ store (`open_store`, cpu -> disk, as `local://` builds it):
   lookups ran (the presence table), / N;
 - index bytes per block: the lmdb index's pages in use / N;
 - lookup of 256 held hashes: `store.lookup` latency, p50 and p99 (us);
-- store rate: new blocks of the same size stored through the store with
+- store rate: new blocks of the same size stored through the store (64 per
+  call, as one tensor: what the connectors hand over) with
   fsync on, until flushed (524k of them, 262k with --quick: two or one of
   the disk tier's index merges fall within), as a ratio to raw writes of the same objects
   into slots of a preallocated segment file with one fdatasync per batch
@@ -161,7 +162,7 @@ def store_rate(store, n: int, scratch: Path, count: int, rounds: int = 4,
     for r in range(rounds):
         ids = range(n + base + r * per, n + base + (r + 1) * per)
         hs = [key(i) for i in ids]
-        payloads = [payload(i, ns) for i in ids]
+        payloads = torch.stack([payload(i, ns) for i in ids])  # as the connectors hand blocks over: one tensor
         objs = [encode(ns, h, p).numpy().tobytes() for h, p in zip(hs, payloads)]
         t0 = time.perf_counter()
         for a in range(0, per, 64):

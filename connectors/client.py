@@ -40,7 +40,8 @@ class CacheClient(Protocol):
 
     def load(self, ns: Namespace, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]: ...
 
-    def store(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int: ...
+    def store(self, ns: Namespace, hashes: Sequence[BlockHash],
+              payloads: Sequence[torch.Tensor] | torch.Tensor) -> int: ...  # or one tensor, a block per row
 
     def stats(self) -> dict[str, dict[str, int]]: ...
 

@@ -103,7 +103,7 @@ class EngineConnector:
         try:  # the gather too: an error here reached the engine's step and failed every request in it
             table = self._table([p for i in new for p in page_ids[i * ppb:(i + 1) * ppb]], kv_cache.device)
             blocks = gather_blocks(kv_cache, table).cpu()
-            self.client.store(self.ns, [hashes[i] for i in new], list(blocks))
+            self.client.store(self.ns, [hashes[i] for i in new], blocks)
         except Exception:  # dispatch boundary: a failed offload only costs a future miss
             log.exception("store of %d blocks failed", len(new))
             self.stats.errors += 1

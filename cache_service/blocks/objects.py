@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from cache_service.blocks.keys import KV_DTYPES, Namespace
-from tiers.host_copy import copy_hashed, copy_spans, in_halves, row_sums
+from tiers.host_copy import copy_hashed, in_halves, row_sums
 from tiers.types import BlockHash, CorruptBlockError
 
 
@@ -186,56 +186,6 @@ def encode(ns: Namespace, h: BlockHash, payload: torch.Tensor) -> torch.Tensor:
     return encode_into(torch.empty(object_size(ns), dtype=torch.uint8), ns, h, payload.cpu())
 
 
-def encode_many(ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """`encode` of many blocks: one allocation, each payload copied and hashed
-    in one pass (`encode_rows`); the objects are views of its rows. Small
-    CPU payloads alike in shape and dtype are copied by one `torch.stack`
-    (`_stack_into`)."""
-    rows = torch.empty(len(hashes), object_size(ns), dtype=torch.uint8)
-    if not _stack_into(rows, ns, payloads):
-        encode_rows(rows, ns, hashes, payloads)
-        return list(rows.unbind(0))
-    rehead(rows, ns, hashes, row_sums(rows.numpy(), HEADER_SIZE))
-    return list(rows.unbind(0))
-
-
-STACKED_BYTES = 64 << 10  # payloads up to this size are copied by one stack per batch
-
-
-def _stack_into(rows: torch.Tensor, ns: Namespace, payloads: Sequence[torch.Tensor]) -> bool:
-    """Copy the payloads into rows[:, HEADER_SIZE:] with one torch call, when
-    they are small, on the CPU and all of one shape and dtype holding
-    ns.payload_bytes: a view per block costs several torch calls, each of
-    which lets the store's writer thread take the GIL (a few us apiece at
-    1 KiB blocks, more than the copy). False: nothing copied."""
-    if not payloads or ns.payload_bytes > STACKED_BYTES:
-        return False
-    first = payloads[0]
-    dtype, numel = first.dtype, first.numel()
-    if numel * first.element_size() != ns.payload_bytes or first.dim() == 0 or \
-            not first.is_cpu or not all(p.dtype is dtype for p in payloads):
-        return False
-    if _copy_rows(rows, ns, payloads, numel):
-        return True
-    out = rows[:, HEADER_SIZE:].view(dtype).view(len(payloads), *first.shape)
-    try:  # torch checks the shapes and devices (one dtype: no casting into `out`)
-        with torch.no_grad():
-            torch.stack(list(payloads), out=out)
-    except RuntimeError:
-        return False  # encode_rows copies them one by one, or says which one is wrong
-    return True
-
-
-def _copy_rows(rows: torch.Tensor, ns: Namespace, payloads: Sequence[torch.Tensor], numel: int) -> bool:
-    """`_stack_into`'s copy by address, one C call (torch.stack costs a
-    microsecond per tensor): when every payload is a contiguous CPU tensor of
-    `numel` elements (the dtype is checked by the caller). False: nothing copied."""
-    if not all(p.is_cpu and p.is_contiguous() and p.numel() == numel for p in payloads):
-        return False
-    n, base, stride = ns.payload_bytes, rows.data_ptr() + HEADER_SIZE, rows.stride(0)
-    return copy_spans([(base + i * stride, n) for i in range(len(payloads))], [(p.data_ptr(), n) for p in payloads])
-
-
 def decode(obj: torch.Tensor, ns: Namespace, h: BlockHash, verify_payload: bool = True) -> torch.Tensor:
     """The payload of `obj` as a [layers, 2, block_tokens, kv_heads, head_dim]
     view in the namespace's dtype, after checking the header against (ns, h)
@@ -384,7 +334,7 @@ def _heads(ns: Namespace, keys: Sequence[BlockHash], sums: Sequence[int]) -> np.
     heads = np.repeat(_template(ns).numpy(), len(keys), axis=0)
     heads[:, _HASH_FIELD] = np.frombuffer(b"".join(keys), np.uint8).reshape(-1, 16)
     heads[:, _CSUM_FIELD] = np.array(sums, dtype="<u8").view(np.uint8).reshape(-1, 8)
-    tails = [xxhash.xxh3_64_intdigest(row) for row in heads[:, :_FIXED.size]]
+    tails = row_sums(np.ascontiguousarray(heads[:, :_FIXED.size]))
     heads[:, _FIXED.size:_FIXED.size + _TAIL.size] = np.array(tails, dtype="<u8").view(np.uint8).reshape(-1, 8)
     return heads
 

@@ -163,7 +163,8 @@ class Placement:
         journaled one) does not hold yet go into its journal, so a write-back
         victim survives a crash or an outage before it lands."""
         if i < len(self.state.tiers) and self.state.journals[i] is not None:
-            todo = [(h, o) for h, o in zip(picked, objs) if o is not None and not self.below_has(i, h)]
+            held = self.holds_already(i, picked)
+            todo = [(h, o) for h, o, ok in zip(picked, objs, held) if o is not None and not ok]
             self.backlog.record(i, todo, mark)
 
     def evicted(self, i: int, victims: Sequence[Item], mark: int) -> None:
@@ -190,16 +191,16 @@ class Placement:
         if i + 1 >= len(self.state.tiers):
             self.state.count(i, dropped=len(items) if counter == "bypassed" else 0)
             return
-        below = [self.below_has(i + 1, h) for h, _ in items]
+        below = self.holds_already(i + 1, [h for h, _ in items])
         todo = [it for it, ok in zip(items, below) if not ok]
         if entered:
             self._release([it for it, ok in zip(items, below) if ok])
         self.state.count(i, **{counter: len(todo)})
         self.submit(i + 1, todo, since=since, entered=entered)
 
-    def below_has(self, i: int, h: BlockHash) -> bool:
-        """Whether tier i holds `h` already (no need to write it there)."""
-        return self.state.tiers[i].contains_many([h])[0]
+    def holds_already(self, i: int, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Whether tier i holds each block already (no need to write it there): one lookup for all."""
+        return self.state.tiers[i].contains_many(hashes)
 
     def submit(self, i: int, items: Sequence[Item], wait: bool | None = None, since: int | None = None,
                entered: bool = False) -> None:

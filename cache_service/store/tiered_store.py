@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
+from cache_service.blocks.encoding import encode_many, pick
 from cache_service.blocks.keys import Namespace
-from cache_service.blocks.objects import (HEADER_SIZE, checksums, decode, encode_many,
-                                          encode_into, object_size, require, verify)
+from cache_service.blocks.objects import HEADER_SIZE, checksums, decode, encode_into, object_size, require, verify
 from cache_service.config import StoreConfig
 from cache_service.store.eviction.base import EvictionPolicy
 from cache_service.store.pins import PinBook
@@ -251,16 +251,17 @@ class TieredStore:
             out[j] = decode(obj, ns, hashes[j], verify_payload=False)
 
     # ------------------------------------------------------------------ writes
-    def store(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor]) -> int:
-        """Encode and store blocks; returns once the top tier holds them (or,
-        when the top tier is full of pinned blocks, once they are queued below).
-        Returns how many blocks were new to the top tier."""
+    def store(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: Sequence[torch.Tensor] | torch.Tensor) -> int:
+        """Encode and store blocks (a payload each, or one tensor whose rows are the blocks); returns once
+        the top tier holds them (or, when it is full of pinned blocks, once they are queued below): how
+        many blocks were new to the top tier."""
         if len(hashes) != len(payloads):
             raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
         held = self.tiers[0].contains_many(hashes)
-        todo = [(h, p) for h, p, ok in zip(hashes, payloads, held) if not ok]
-        objs = encode_many(ns, [h for h, _ in todo], [p for _, p in todo])
-        return self._store_new(hashes, held, [(h, obj) for (h, _), obj in zip(todo, objs)], owned=True)
+        todo = [i for i, ok in enumerate(held) if not ok]
+        keys = [hashes[i] for i in todo]
+        objs = encode_many(ns, keys, payloads if len(todo) == len(held) else pick(payloads, todo))
+        return self._store_new(hashes, held, list(zip(keys, objs)), owned=True)
 
     def store_objects(self, ns: Namespace, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],
                       verify: bool = True, owned: bool = False) -> int:
@@ -286,9 +287,10 @@ class TieredStore:
         through = self._state.through()
         if through and not owned:  # writers hold objects past this call
             new = [(h, obj.clone()) for h, obj in new]
+        keys = [h for h, _ in new]
         for i in through:  # a tier that rechecks its copies reads back those it has (Placement._holds)
-            self._placement.submit(i, [it for it in new if self.tiers[i].rechecks
-                                       or not self._placement.below_has(i, it[0])])
+            held = [False] * len(new) if self.tiers[i].rechecks else self._placement.holds_already(i, keys)
+            self._placement.submit(i, [it for it, ok in zip(new, held) if not ok])
         return len(stored)
 
     # ------------------------------------------------------------------ a shared top tier (SharedSlots)

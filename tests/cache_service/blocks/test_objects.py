@@ -4,7 +4,7 @@ import torch
 
 from cache_service.blocks.keys import Namespace, prefix_hashes
 from cache_service.blocks import objects
-from cache_service.blocks.objects import (HEADER_SIZE, checksum, decode, encode, encode_many, verify,
+from cache_service.blocks.objects import (HEADER_SIZE, checksum, decode, encode, verify,
                                           encode_rows, object_size)
 from tiers import host_copy
 from tiers.types import CorruptBlockError
@@ -115,21 +115,6 @@ def test_encoding_many_rows_equals_encoding_each_block(batched_copy, monkeypatch
     with pytest.raises(ValueError, match="bytes"):
         encode_rows(rows, NS, H[1:3], [payloads[0], torch.zeros(3, dtype=torch.bfloat16)])
     assert torch.equal(rows, before)
-
-
-def test_encoding_many_blocks_at_once_equals_encoding_each():
-    # what the store encodes per call: each object equal to encode()'s, all views of one allocation
-    transposed = _payload(32).transpose(-1, -2).contiguous().transpose(-1, -2)
-    for payloads in ([_payload(30), _payload(31), transposed],  # alike: copied by one stack (one not contiguous)
-                     [_payload(30), _payload(31).view(torch.uint8), transposed]):  # not alike: one view each
-        objs = encode_many(NS, H[:3], payloads)
-        for obj, h, p in zip(objs, H, payloads):
-            assert torch.equal(obj, encode(NS, h, p)) and obj.is_contiguous()
-        assert len({obj.untyped_storage().data_ptr() for obj in objs}) == 1
-    # nothing to encode is no objects; a wrong size is refused
-    assert encode_many(NS, [], []) == []
-    with pytest.raises(ValueError, match="bytes"):
-        encode_many(NS, H[:1], [torch.zeros(3, dtype=torch.bfloat16)])
 
 
 def test_encoding_into_chosen_rows_equals_encoding_each_block():

@@ -132,7 +132,8 @@ def test_disk_blocks_recovered_after_an_unclean_stop_are_evicted_like_any_other(
     from cache_service.config import load_config
     from cache_service.factory import open_store
     # A process writes 20 blocks to a disk tier and ends without closing it.
-    child = ("import os\nfrom tiers.disk import DiskTier\nfrom cache_service.blocks.objects import encode_many, intact\n"
+    child = ("import os\nfrom tiers.disk import DiskTier\nfrom cache_service.blocks.encoding import encode_many\n"
+             "from cache_service.blocks.objects import intact\n"
              "from tests.cache_service.store.store_helpers import NS, OBJ, hashes, payload_for\n"
              f"t = DiskTier({str(tmp_path)!r}, 40 * OBJ, fsync=True, check=intact)\n"
              "hs = hashes(20)\nassert all(t.put_many(hs, encode_many(NS, hs, [payload_for(h) for h in hs])))\n"
