@@ -155,14 +155,16 @@ class ByteBudget:
         with self._lock:
             return [h in self._index for h in hashes]
 
-    def _admit(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[int]:
+    def _admit(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],
+               sizes: Sequence[int] | None = None) -> list[int]:
         """Indices of the objects to write now: new, first of their hash in
         the batch, and within capacity; their bytes are reserved (the caller
-        releases the reservation when the writes end)."""
+        releases the reservation when the writes end). `sizes`: their
+        `numel`s, where the caller has them."""
         assert len(hashes) == len(objs), "one object per hash"
         assert all(o.dtype == torch.uint8 and o.dim() == 1 and o.is_contiguous() for o in objs), \
             "objects are 1-D contiguous uint8 tensors"
-        sizes = [obj.numel() for obj in objs]
+        sizes = [obj.numel() for obj in objs] if sizes is None else sizes
         if sizes:
             self.footprint(max(sizes))  # one that can never fit refuses the batch
         todo: list[int] = []

@@ -132,23 +132,25 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
         return [self.segments.path(key) for key in self.segments.ends()]
 
     def put_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor]) -> list[bool]:
-        todo = self._admit(hashes, objs)
+        sizes = [obj.numel() for obj in objs]  # once: a torch call per block costs more than most steps here
+        todo = self._admit(hashes, objs, sizes)
         try:
             with self._writes.writing():  # a close waits for these writes (it closes their files)
                 self._check_open()
-                written = self._write_slots([hashes[i] for i in todo], [objs[i] for i in todo])
+                written = self._write_slots([hashes[i] for i in todo], [objs[i] for i in todo],
+                                            [sizes[i] for i in todo])
             self._commit(written)
         finally:
             with self._lock:
-                self._reserved -= sum(objs[i].numel() for i in todo)
+                self._reserved -= sum(sizes[i] for i in todo)
         return self.contains_many(hashes)
 
-    def _write_slots(self, hashes: list[BlockHash], objs: list[torch.Tensor]) -> list[Written]:
-        """Write the objects into free slots and make them durable: (hash,
-        size, checksum, slot) of each written; a slot that failed (ENOSPC
-        is a full disk, anything else an error) is free again."""
+    def _write_slots(self, hashes: list[BlockHash], objs: list[torch.Tensor], sizes: list[int]) -> list[Written]:
+        """Write the objects (of `sizes` bytes) into free slots and make them
+        durable: (hash, size, checksum, slot) of each written; a slot that
+        failed (ENOSPC is a full disk, anything else an error) is free again."""
         objs = [o if o.is_cpu else o.cpu() for o in objs]
-        written, _, err = self.space.write_into(self.segments, hashes, objs, durable=True)  # a failed sync: none
+        written, _, err = self.space.write_into(self.segments, hashes, objs, durable=True, sizes=sizes)
         if err is not None:
             self._write_failed(err)
         return written

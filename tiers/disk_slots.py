@@ -1,11 +1,9 @@
 """The disk tier's data (tiers/disk.py): block objects in slots of
 preallocated segment files, not one file per block.
 
-One file per block costs a file creation, an fsync and a rename per block:
-2-6x the device's write rate at real block sizes and 50-80x at small ones
-(docs/benchmarks.md, issue 19). Here a batch's objects are written into
-slots with one `pwritev` each and made durable with one fdatasync per
-segment file touched.
+One file per block costs a file creation, an fsync and a rename per block (2-6x the device's write rate at
+real block sizes, 50-80x at small ones: docs/benchmarks.md, issue 19). Here a batch's objects are written into
+slots with one `pwritev` each and made durable with one fdatasync per segment file touched.
 
 Layout under `root`:
 
@@ -176,14 +174,17 @@ class Segments:
         return key
 
     def write_many(self, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor], slots: Sequence[int],
-                   durable: bool = False) -> tuple[list[int | None], set[tuple[int, int]], OSError | None]:
-        """`write` of many objects (1-D uint8 CPU tensors) into their slots,
-        checksums computed here: each object's checksum, or None where it was
-        not written; the files written to (to `sync`); the first error met
-        (ENOSPC: full). With `durable` they are synced here too (in the C
-        call, one GIL release for writes and syncs); a failed sync fails them all."""
-        sizes = [o.numel() for o in objs]
-        placed = [((g[0], s // g[1]), (s % g[1]) * g[0]) for s, g in zip(slots, map(_geometry, sizes))]  # _place
+                   durable: bool = False, sizes: Sequence[int] | None = None
+                   ) -> tuple[list[int | None], set[tuple[int, int]], OSError | None]:
+        """`write` of many objects (1-D uint8 CPU tensors, of `sizes` bytes
+        where the caller has them) into their slots, checksums computed
+        here: each object's checksum, or None where it was not written; the
+        files written to (to `sync`); the first error met (ENOSPC: full).
+        With `durable` they are synced here too (in the C call, one GIL
+        release for writes and syncs); a failed sync fails them all."""
+        sizes = [o.numel() for o in objs] if sizes is None else sizes
+        geo = {n: _geometry(n) for n in set(sizes)}  # a batch holds objects of one size, or a few
+        placed = [((g[0], s // g[1]), (s % g[1]) * g[0]) for s, g in zip(slots, map(geo.__getitem__, sizes))]  # _place
         fds, err = self._grown(placed)
         if write_slots is not None and XXH3:  # the tensors' memory as such: no numpy view per block
             refs = [(o.data_ptr(), n) for o, n in zip(objs, sizes)]

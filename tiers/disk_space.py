@@ -90,26 +90,30 @@ class FreeSlots:
             return out + holes + list(range(mark, self.marks[c])), holes
 
     def write_into(self, segments: Segments, hashes: Sequence[bytes], objs: Sequence[torch.Tensor],
-                   durable: bool = False) -> tuple[list[tuple[bytes, int, int, int]], set[tuple[int, int]], OSError | None]:
-        """Write the objects (1-D uint8 CPU tensors) into free slots of
-        `segments` (`durable`: and sync them, `Segments.write_many`): (hash,
-        size, checksum, slot) of each written, the files to sync, the first
-        error met; the slot of one not written is free again."""
-        sizes = [o.numel() for o in objs]
+                   durable: bool = False, sizes: Sequence[int] | None = None
+                   ) -> tuple[list[tuple[bytes, int, int, int]], set[tuple[int, int]], OSError | None]:
+        """Write the objects (1-D uint8 CPU tensors, of `sizes` bytes where the
+        caller has them) into free slots of `segments` (`durable`: and sync
+        them, `Segments.write_many`): (hash, size, checksum, slot) of each
+        written, the files to sync, the first error met; the slot of one not
+        written is free again."""
+        sizes = [o.numel() for o in objs] if sizes is None else sizes
         slots, holes = self._take(sizes)
         unfilled, err = self._fill(segments, holes)
-        at = [i for i, (n, s) in enumerate(zip(sizes, slots)) if (slot_size(n), s) not in unfilled]
+        at = [i for i, (n, s) in enumerate(zip(sizes, slots)) if (slot_size(n), s) not in unfilled] \
+            if unfilled else range(len(slots))  # the usual batch: every slot is there to write
         sums: list[int | None] = [None] * len(slots)
         files: set[tuple[int, int]] = set()
         if at:
-            got, files, err2 = segments.write_many([hashes[i] for i in at], [objs[i] for i in at],
-                                                   [slots[i] for i in at], durable)
+            cut = (lambda xs: xs) if len(at) == len(slots) else (lambda xs: [xs[i] for i in at])
+            got, files, err2 = segments.write_many(cut(hashes), cut(objs), cut(slots), durable, cut(sizes))
             for i, csum in zip(at, got):
                 sums[i] = csum
             err = err or err2
-        for n, s, csum in zip(sizes, slots, sums):
-            if csum is None and (slot_size(n), s) not in unfilled:
-                self.give(n, s)
+        if None in sums:
+            for n, s, csum in zip(sizes, slots, sums):
+                if csum is None and (slot_size(n), s) not in unfilled:
+                    self.give(n, s)
         return [(h, n, c, s) for h, n, s, c in zip(hashes, sizes, slots, sums) if c is not None], files, err
 
     def _fill(self, segments: Segments, holes: dict[int, list[int]]) -> tuple[set[tuple[int, int]], OSError | None]:
