@@ -12,6 +12,20 @@
 
 #include "_spans.h"
 
+/* Below this many bytes a call keeps the GIL: a copy of a few dozen KiB
+ * takes microseconds, less than handing the GIL to another thread and
+ * waiting to get it back (the store's caller and its disk writer take turns
+ * on it; a release per small batch cost the caller that wait each time). */
+#define RELEASE_BYTES (256 << 10)
+
+static PyThreadState *release_if(Py_ssize_t bytes) {
+    return bytes >= RELEASE_BYTES ? PyEval_SaveThread() : NULL;
+}
+
+static void take_back(PyThreadState *ts) {
+    if (ts) PyEval_RestoreThread(ts);
+}
+
 static int get_pair(PyObject *d, PyObject *s, Py_buffer *dst, Py_buffer *src) {
     if (get_buffer(d, dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
     if (get_buffer(s, src, PyBUF_C_CONTIGUOUS) < 0) {
@@ -64,14 +78,20 @@ static void close_pairs(Pairs *p) {
     Py_XDECREF(p->sseq);
 }
 
+static Py_ssize_t pairs_bytes(const Pairs *p) {
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < p->n; i++) n += p->bufs[2 * i + 1].len;
+    return n;
+}
+
 static PyObject *copy_many(PyObject *self, PyObject *args) {
     PyObject *dl, *sl;
     Pairs p;
     if (!PyArg_ParseTuple(args, "OO", &dl, &sl)) return NULL;
     if (open_pairs(dl, sl, &p) == 0) {
-        Py_BEGIN_ALLOW_THREADS
+        PyThreadState *ts = release_if(pairs_bytes(&p));
         for (Py_ssize_t i = 0; i < p.n; i++) memcpy(p.bufs[2 * i].buf, p.bufs[2 * i + 1].buf, (size_t)p.bufs[2 * i + 1].len);
-        Py_END_ALLOW_THREADS
+        take_back(ts);
     }
     close_pairs(&p);
     if (PyErr_Occurred()) return NULL;
@@ -114,13 +134,13 @@ static PyObject *copy_hash_many(PyObject *self, PyObject *args) {
     if (open_pairs(dl, sl, &p) == 0 && (sums = PyMem_Calloc(p.n ? p.n : 1, sizeof(*sums))) == NULL)
         PyErr_NoMemory();
     if (sums) {
-        Py_BEGIN_ALLOW_THREADS
+        PyThreadState *ts = release_if(pairs_bytes(&p));
         for (Py_ssize_t i = 0; i < p.n; i++) {
             Py_ssize_t len = p.bufs[2 * i + 1].len, from = skip < len ? skip : len;
             memcpy(p.bufs[2 * i].buf, p.bufs[2 * i + 1].buf, (size_t)len);
             sums[i] = hash((const char *)p.bufs[2 * i].buf + from, (size_t)(len - from));
         }
-        Py_END_ALLOW_THREADS
+        take_back(ts);
         out = sums_list(sums, p.n);
     }
     PyMem_Free(sums);
@@ -151,9 +171,9 @@ static PyObject *hash_rows(PyObject *self, PyObject *args) {
         PyBuffer_Release(&b);
         return PyErr_NoMemory();
     }
-    Py_BEGIN_ALLOW_THREADS
+    PyThreadState *ts = release_if(n * (len - skip));
     for (Py_ssize_t i = 0; i < n; i++) sums[i] = hash((const char *)b.buf + i * len + skip, (size_t)(len - skip));
-    Py_END_ALLOW_THREADS
+    take_back(ts);
     out = sums_list(sums, n);
     PyMem_Free(sums);
     PyBuffer_Release(&b);

@@ -32,3 +32,19 @@ def test_copy_many_refuses_bad_arguments_before_copying():
         fastcopy.copy_many([b"xxxx"], [b"a"])
     with pytest.raises(ValueError, match="one destination per source"):
         fastcopy.copy_many([bytearray(1)], [])
+
+
+
+def test_a_batch_below_the_gil_release_size_is_copied_and_hashed_as_a_large_one():
+    # 64 small blocks (72 KiB: the GIL is kept) and one of 512 KiB (released) land alike, with the same sums
+    import xxhash
+    from tiers.host_copy import XXH3
+    for n, size in ((64, 1152), (1, 512 << 10)):
+        srcs = [torch.full((size,), i % 251, dtype=torch.uint8) for i in range(n)]
+        dsts = [torch.zeros(size, dtype=torch.uint8) for _ in srcs]
+        fastcopy.copy_many([d.numpy() for d in dsts], [s.numpy() for s in srcs])
+        assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+        dsts = [torch.zeros(size, dtype=torch.uint8) for _ in srcs]
+        sums = fastcopy.copy_hash_many([d.numpy() for d in dsts], [s.numpy() for s in srcs], 128, XXH3)
+        assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+        assert sums == [xxhash.xxh3_64_intdigest(s.numpy()[128:]) for s in srcs]
