@@ -19,9 +19,9 @@ def encode_many(ns: Namespace, hashes: Sequence[BlockHash],
                 payloads: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
     """`encode` of many blocks: one allocation, each payload copied and hashed
     in one pass (`encode_rows`); the objects are views of its rows. Small
-    CPU payloads alike in shape and dtype are copied by one call
-    (`_stack_into`), and so are `payloads` given as one tensor whose rows are
-    the blocks (an engine's gathered blocks, from any device)."""
+    payloads (up to STACKED_BYTES) are copied by one call (`_stack_into`):
+    CPU ones alike in shape and dtype, or one tensor whose rows are the
+    blocks (an engine's gathered blocks, from any device)."""
     rows = torch.empty(len(hashes), object_size(ns), dtype=torch.uint8)
     if not _stack_into(rows, ns, payloads):
         encode_rows(rows, ns, hashes, payloads)
@@ -62,8 +62,8 @@ def _stack_into(rows: torch.Tensor, ns: Namespace, payloads: Sequence[torch.Tens
 
 
 def _copy_batch(rows: torch.Tensor, ns: Namespace, batch: torch.Tensor) -> bool:
-    """`_stack_into` of blocks that are the rows of one tensor: one copy of any
-    size (torch casts nothing: the bytes view has the batch's dtype). False: nothing copied."""
+    """`_stack_into` of small blocks that are the rows of one tensor: one copy
+    (torch casts nothing: the bytes view has the batch's dtype). False: nothing copied."""
     if batch.dim() < 2 or not len(batch) or batch[0].numel() * batch.element_size() != ns.payload_bytes:
         return False
     try:
@@ -84,8 +84,11 @@ def _copy_rows(rows: torch.Tensor, ns: Namespace, payloads: Sequence[torch.Tenso
     return copy_spans([(base + i * stride, n) for i in range(len(payloads))], [(p.data_ptr(), n) for p in payloads])
 
 
-def pick(payloads: Sequence[torch.Tensor] | torch.Tensor, at: Sequence[int]) -> Sequence[torch.Tensor] | torch.Tensor:
-    """The payloads at positions `at`: a tensor's rows by one index (a copy), a sequence's items."""
-    if isinstance(payloads, torch.Tensor):
+def pick(ns: Namespace, payloads: Sequence[torch.Tensor] | torch.Tensor,
+         at: Sequence[int]) -> Sequence[torch.Tensor] | torch.Tensor:
+    """The payloads at positions `at`: a sequence's items, or a tensor's rows,
+    small ones by one index (a copy, which `encode_many` copies at once),
+    large ones as views (`encode_rows` copies each in its one pass anyway)."""
+    if isinstance(payloads, torch.Tensor) and ns.payload_bytes <= STACKED_BYTES:
         return payloads[torch.tensor(at, dtype=torch.long, device=payloads.device)]
     return [payloads[i] for i in at]

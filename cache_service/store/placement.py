@@ -15,6 +15,7 @@ delete log mark (deletes.py): a delete after the read still wins.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Sequence
 
 import torch
@@ -94,8 +95,8 @@ class Placement:
 
     def _put_locked(self, i: int, todo: Sequence[Item], victims: list[Item], mark: int) -> list[bool]:
         tier = self.state.tiers[i]
-        try:
-            need = sum(tier.footprint(obj.numel()) for _, obj in todo)
+        try:  # a tier's footprint is per size: asked once per size in the batch, not once per object
+            need = sum(tier.footprint(n) * k for n, k in Counter(obj.numel() for _, obj in todo).items())
         except CapacityError:
             return [False] * len(todo)
         self.make_room(i, need, victims, mark)

@@ -260,7 +260,7 @@ class TieredStore:
         held = self.tiers[0].contains_many(hashes)
         todo = [i for i, ok in enumerate(held) if not ok]
         keys = [hashes[i] for i in todo]
-        objs = encode_many(ns, keys, payloads if len(todo) == len(held) else pick(payloads, todo))
+        objs = encode_many(ns, keys, payloads if len(todo) == len(held) else pick(ns, payloads, todo))
         return self._store_new(hashes, held, list(zip(keys, objs)), owned=True)
 
     def store_objects(self, ns: Namespace, hashes: Sequence[BlockHash], objs: Sequence[torch.Tensor],

@@ -206,7 +206,7 @@ class WorkerSide:
             blocks = blocks.cpu()
         hashes = block_hashes(ns, t.token_ids, t.start, t.end, salt)
         assert len(hashes) == n == blocks.shape[0], (len(hashes), n, tuple(blocks.shape))
-        new = self.client.store(ns, hashes, blocks)  # one tensor: the embedded store copies it at once
+        new = self.client.store(ns, hashes, blocks)  # one tensor: small blocks are copied in one call
         self.stats.blocks_saved += n
         self.stats.blocks_new += int(new or 0)
         self.stats.bytes_saved += blocks.numel() * blocks.element_size()

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
+from cache_service.blocks import encoding
 from cache_service.blocks.encoding import STACKED_BYTES, encode_many, pick
 from cache_service.blocks.keys import Namespace, prefix_hashes
 from cache_service.blocks.objects import encode
-from tests.cache_service.store.store_helpers import NS as STORE_NS, hashes, make_store, payload_for, same
 
 NS = Namespace("tiny", "bfloat16", num_layers=2, kv_heads=2, head_dim=8, block_tokens=4)
 H = prefix_hashes(NS, range(40))  # 10 blocks
@@ -35,10 +35,14 @@ def test_encoding_many_blocks_at_once_equals_encoding_each():
         encode_many(NS, H[:1], [torch.zeros(3, dtype=torch.bfloat16)])
 
 
-def test_a_batch_tensor_encodes_as_each_of_its_rows():
+def test_a_batch_tensor_encodes_as_each_of_its_rows(monkeypatch):
     # an engine's gathered blocks as one tensor: one copy, the same objects as encode() of each row
+    copied = []
+    one_copy = encoding._copy_batch
+    monkeypatch.setattr(encoding, "_copy_batch", lambda *a: copied.append(one_copy(*a)) or copied[-1])
     batch = torch.stack([_payload(i) for i in range(5)])
     objs = encode_many(NS, H[:5], batch)
+    assert copied == [True]  # the one-copy path, not the fallback that copies row by row
     assert all(torch.equal(o, e) for o, e in zip(objs, _each(NS, H[:5], batch)))
     assert len({obj.untyped_storage().data_ptr() for obj in objs}) == 1
     # a strided batch (every other block of a larger one) and its bytes under another dtype alike
@@ -61,24 +65,12 @@ def test_large_blocks_in_a_batch_are_copied_and_hashed_in_one_pass():
 
 
 def test_pick_takes_a_batch_s_rows_or_a_list_s_items():
-    # what the store keeps of a batch when some of its blocks are held already
+    # what the store keeps of a batch when some of its blocks are held already: small rows in one index
     batch = torch.stack([_payload(i) for i in range(4)])
-    assert torch.equal(pick(batch, [0, 3]), batch[[0, 3]])
-    assert pick(list(batch), [2])[0] is not None and torch.equal(pick(list(batch), [2])[0], batch[2])
-    assert len(pick(batch, [])) == 0
-
-
-def test_the_store_takes_a_batch_tensor_and_skips_rows_it_holds(tmp_path):
-    # block 1 of 4 is stored first; the batch stores the other three, and all four load back
-    store = make_store(tmp_path, disk_blocks=None)
-    hs = hashes(4)
-    batch = torch.stack([payload_for(h) for h in hs])
-    assert store.store(STORE_NS, hs[1:2], batch[1:2]) == 1
-    assert store.store(STORE_NS, hs, batch) == 3
-    got = store.load(STORE_NS, hs)
-    assert all(g is not None and same(g, payload_for(h)) for g, h in zip(got, hs))
-    # a batch whose length differs from the hashes is refused, storing nothing
-    with pytest.raises(ValueError, match="payloads"):
-        store.store(STORE_NS, hashes(3, 10), batch)
-    assert store.lookup(hashes(3, 10)) == 0
-    store.close()
+    assert torch.equal(pick(NS, batch, [0, 3]), batch[[0, 3]])
+    assert torch.equal(pick(NS, list(batch), [2])[0], batch[2])
+    assert len(pick(NS, batch, [])) == 0
+    # large rows stay views of the batch: encode_rows copies each once, a gathered copy would be a second
+    large = torch.stack([_payload(i, LARGE) for i in range(3)])
+    kept = pick(LARGE, large, [2, 0])
+    assert [k.data_ptr() for k in kept] == [large[2].data_ptr(), large[0].data_ptr()]
