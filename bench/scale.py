@@ -36,6 +36,7 @@ blocks only, under 60 s. Last line: one JSON object.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -291,6 +292,8 @@ def main() -> None:
         root = Path(args.probe[0])
         print(json.dumps(probe(root, int(args.probe[1]), int(args.probe[2]), root.parent / "raw-scratch", int(args.probe[3]))))
         return
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # said before the run, not after it
+        sys.exit("bench/scale.py: --plot needs matplotlib (pip install -e '.[bench]')")
     sizes = [100_000] if args.quick else [300_000, 1_000_000, 3_000_000]
     base = Path(tempfile.mkdtemp(prefix="tierkv-scale-", dir=args.dir))
     curve, ids, stored = [], 0, 0  # the fill's ids so far; blocks the probes' store rates added
