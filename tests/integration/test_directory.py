@@ -287,12 +287,13 @@ def test_a_lookup_asks_the_directory_only_what_it_needs(open_node):
 
 def test_a_long_backlog_does_not_let_the_nodes_record_expire(own_redis):
     _, url = own_redis
-    d = RedisDirectory(url=url, node_id="n1", prefix=f"b-{uuid.uuid4().hex[:6]}", heartbeat_ttl_s=1.0)
+    # a TTL of 2 s: a beat every 0.67 s leaves 1.3 s of slack on a loaded 2-core machine (1 s expired once)
+    d = RedisDirectory(url=url, node_id="n1", prefix=f"b-{uuid.uuid4().hex[:6]}", heartbeat_ttl_s=2.0)
     try:
         wait_until(lambda: d.stats.registrations == 1)
-        # A backlog that takes 3 s to apply (a slow Redis: 0.1 s a batch), three heartbeat TTLs.
+        # A backlog that takes 6 s to apply (a slow Redis: 0.2 s a batch), three heartbeat TTLs.
         apply = d._apply
-        d._apply = lambda r, batch: time.sleep(0.1) or apply(r, batch)
+        d._apply = lambda r, batch: time.sleep(0.2) or apply(r, batch)
         d.publish(S3, [uuid.uuid4().bytes for _ in range(512 * 30)])
         # Heartbeats go on between batches: the node never looks dead, never registers again.
         while not d.flush(0.2):
