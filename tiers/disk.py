@@ -150,7 +150,7 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
         durable: (hash, size, checksum, slot) of each written; a slot that
         failed (ENOSPC is a full disk, anything else an error) is free again."""
         objs = [o if o.is_cpu else o.cpu() for o in objs]
-        written, _, err = self.space.write_into(self.segments, hashes, objs, durable=True, sizes=sizes)
+        written, _, err = self.space.write_into(self.segments, hashes, objs, sizes, durable=True)
         if err is not None:
             self._write_failed(err)
         return written

@@ -183,8 +183,7 @@ class Segments:
         With `durable` they are synced here too (in the C call, one GIL
         release for writes and syncs); a failed sync fails them all."""
         sizes = [o.numel() for o in objs] if sizes is None else sizes
-        geo = {n: _geometry(n) for n in set(sizes)}  # a batch holds objects of one size, or a few
-        placed = [((g[0], s // g[1]), (s % g[1]) * g[0]) for s, g in zip(slots, map(geo.__getitem__, sizes))]  # _place
+        placed = [((g[0], s // g[1]), (s % g[1]) * g[0]) for s, g in zip(slots, map(_geometry, sizes))]  # _place
         fds, err = self._grown(placed)
         if write_slots is not None and XXH3:  # the tensors' memory as such: no numpy view per block
             refs = [(o.data_ptr(), n) for o, n in zip(objs, sizes)]

@@ -90,14 +90,12 @@ class FreeSlots:
             return out + holes + list(range(mark, self.marks[c])), holes
 
     def write_into(self, segments: Segments, hashes: Sequence[bytes], objs: Sequence[torch.Tensor],
-                   durable: bool = False, sizes: Sequence[int] | None = None
+                   sizes: Sequence[int], durable: bool = False
                    ) -> tuple[list[tuple[bytes, int, int, int]], set[tuple[int, int]], OSError | None]:
-        """Write the objects (1-D uint8 CPU tensors, of `sizes` bytes where the
-        caller has them) into free slots of `segments` (`durable`: and sync
-        them, `Segments.write_many`): (hash, size, checksum, slot) of each
-        written, the files to sync, the first error met; the slot of one not
-        written is free again."""
-        sizes = [o.numel() for o in objs] if sizes is None else sizes
+        """Write the objects (1-D uint8 CPU tensors of `sizes` bytes) into free
+        slots of `segments` (`durable`: and sync them, `Segments.write_many`):
+        (hash, size, checksum, slot) of each written, the files to sync, the
+        first error met; the slot of one not written is free again."""
         slots, holes = self._take(sizes)
         unfilled, err = self._fill(segments, holes)
         at = [i for i, (n, s) in enumerate(zip(sizes, slots)) if (slot_size(n), s) not in unfilled] \

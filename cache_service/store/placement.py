@@ -164,7 +164,7 @@ class Placement:
         journaled one) does not hold yet go into its journal, so a write-back
         victim survives a crash or an outage before it lands."""
         if i < len(self.state.tiers) and self.state.journals[i] is not None:
-            held = self.holds_already(i, picked)
+            held = self.state.tiers[i].contains_many(picked)
             todo = [(h, o) for h, o, ok in zip(picked, objs, held) if o is not None and not ok]
             self.backlog.record(i, todo, mark)
 
@@ -192,16 +192,12 @@ class Placement:
         if i + 1 >= len(self.state.tiers):
             self.state.count(i, dropped=len(items) if counter == "bypassed" else 0)
             return
-        below = self.holds_already(i + 1, [h for h, _ in items])
+        below = self.state.tiers[i + 1].contains_many([h for h, _ in items])  # no need to write those there
         todo = [it for it, ok in zip(items, below) if not ok]
         if entered:
             self._release([it for it, ok in zip(items, below) if ok])
         self.state.count(i, **{counter: len(todo)})
         self.submit(i + 1, todo, since=since, entered=entered)
-
-    def holds_already(self, i: int, hashes: Sequence[BlockHash]) -> list[bool]:
-        """Whether tier i holds each block already (no need to write it there): one lookup for all."""
-        return self.state.tiers[i].contains_many(hashes)
 
     def submit(self, i: int, items: Sequence[Item], wait: bool | None = None, since: int | None = None,
                entered: bool = False) -> None:

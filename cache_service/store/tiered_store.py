@@ -289,7 +289,7 @@ class TieredStore:
             new = [(h, obj.clone()) for h, obj in new]
         keys = [h for h, _ in new]
         for i in through:  # a tier that rechecks its copies reads back those it has (Placement._holds)
-            held = [False] * len(new) if self.tiers[i].rechecks else self._placement.holds_already(i, keys)
+            held = [False] * len(new) if self.tiers[i].rechecks else self.tiers[i].contains_many(keys)
             self._placement.submit(i, [it for it, ok in zip(new, held) if not ok])
         return len(stored)
 
