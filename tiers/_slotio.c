@@ -1,13 +1,15 @@
 /* A batch of the disk tier's slot writes (tiers/disk_slots.py) in one call,
  * with the GIL released.
  *
- * write_slots(fds, offsets, hashes, objs, hash) -> (sums, errno): for each
+ * write_slots(fds, offsets, hashes, objs, hash, sync, align) -> (sums, errno): for each
  * object (a buffer, or an (address, length) pair of memory the caller keeps
  * alive through the call: a CPU tensor's, without a numpy view per block), its xxh3_64 (`hash` is the address of the xxhash package's
  * XXH3_64bits, as in _fastcopy.c), then one pwritev of the slot's 32-byte
  * header (magic "TKVS", u32 object size, u64 checksum, 16-byte block hash,
- * little-endian: disk_slots.HEAD) and the object at its offset, finishing a
- * short write. sums[i] is that checksum, or None where fds[i] is negative
+ * little-endian: disk_slots.HEAD) and the object at its offset, then zeros to
+ * the next multiple of `align` bytes of the file (0: none; at most 4096),
+ * finishing a short write. A slot of whole pages written to its end is never
+ * read in by the kernel first, as its last page would be if written in part. sums[i] is that checksum, or None where fds[i] is negative
  * (skipped by the caller) or the write failed; errno is the first failure's.
  * A batch of small blocks is a few microseconds of syscall each, where the
  * same loop in Python costs several times that in interpreter time, under the
@@ -25,6 +27,9 @@
 
 #define HEAD_BYTES 32
 #define HASH_BYTES 16
+#define MAX_ALIGN 4096
+
+static const unsigned char ZEROS[MAX_ALIGN];
 
 typedef unsigned long long (*hash_fn)(const void *, size_t);
 
@@ -33,6 +38,7 @@ typedef struct {
     long long off;
     unsigned char head[HEAD_BYTES];
     Py_buffer obj;
+    size_t pad;  /* zeros written after the object */
     int have_obj;
     unsigned long long sum;
     int ok;
@@ -43,29 +49,29 @@ static void put_le(unsigned char *p, unsigned long long v, int n) {
 }
 
 static int write_all(Slot *s) {
-    struct iovec iov[2] = {{s->head, HEAD_BYTES}, {s->obj.buf, (size_t)s->obj.len}};
-    size_t want = HEAD_BYTES + (size_t)s->obj.len, done = 0;
-    while (done < want) {
-        ssize_t n;
-        if (done < HEAD_BYTES) {
-            struct iovec rest[2] = {{s->head + done, HEAD_BYTES - done}, iov[1]};
-            n = pwritev(s->fd, rest, 2, (off_t)(s->off + (long long)done));
-        } else {
-            n = pwrite(s->fd, (const char *)s->obj.buf + (done - HEAD_BYTES), want - done,
-                       (off_t)(s->off + (long long)done));
-        }
+    struct iovec iov[3] = {{s->head, HEAD_BYTES}, {s->obj.buf, (size_t)s->obj.len}, {(void *)ZEROS, s->pad}};
+    int k = 0, count = s->pad ? 3 : 2;
+    long long off = s->off;
+    while (k < count) {
+        ssize_t n = pwritev(s->fd, iov + k, count - k, (off_t)off);
         if (n < 0) {
             if (errno == EINTR) continue;
             return errno;
         }
         if (n == 0) return EIO;
-        done += (size_t)n;
+        off += n;
+        while (k < count && (size_t)n >= iov[k].iov_len) n -= (ssize_t)iov[k++].iov_len;
+        if (k < count) {  /* a short write: the rest of this part next */
+            iov[k].iov_base = (char *)iov[k].iov_base + n;
+            iov[k].iov_len -= (size_t)n;
+        }
     }
     return 0;
 }
 
 /* Fill slots[i] from the arguments (GIL held); -1 with an exception set. */
-static int gather(PyObject *fds, PyObject *offs, PyObject *hashes, PyObject *objs, Slot *slots, Py_ssize_t n) {
+static int gather(PyObject *fds, PyObject *offs, PyObject *hashes, PyObject *objs, long long align, Slot *slots,
+                  Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
         Slot *s = &slots[i];
         s->fd = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(fds, i));
@@ -83,6 +89,8 @@ static int gather(PyObject *fds, PyObject *offs, PyObject *hashes, PyObject *obj
             PyErr_SetString(PyExc_ValueError, "an object must be under 4 GiB");
             return -1;
         }
+        long long end = s->off + HEAD_BYTES + (long long)s->obj.len;
+        s->pad = align ? (size_t)((align - end % align) % align) : 0;
         memcpy(s->head, "TKVS", 4);
         put_le(s->head + 4, (unsigned long long)s->obj.len, 4);
         memcpy(s->head + 16, PyBytes_AS_STRING(h), HASH_BYTES);
@@ -119,10 +127,12 @@ static PyObject *write_slots(PyObject *self, PyObject *args) {
     PyObject *fl, *ol, *hl, *bl, *fds = NULL, *offs = NULL, *hashes = NULL, *objs = NULL, *out = NULL;
     unsigned long long addr;
     int sync = 0;
+    long long align = 0;
     Slot *slots = NULL;
     Py_ssize_t n = 0;
-    if (!PyArg_ParseTuple(args, "OOOOK|p", &fl, &ol, &hl, &bl, &addr, &sync)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOOK|pL", &fl, &ol, &hl, &bl, &addr, &sync, &align)) return NULL;
     if (!addr) return PyErr_Format(PyExc_ValueError, "hash must be a function's address");
+    if (align < 0 || align > MAX_ALIGN) return PyErr_Format(PyExc_ValueError, "align must be 0 to %d", MAX_ALIGN);
     if (!(fds = PySequence_Fast(fl, "fds must be a sequence")) || !(offs = PySequence_Fast(ol, "offsets too"))
         || !(hashes = PySequence_Fast(hl, "hashes too")) || !(objs = PySequence_Fast(bl, "objs too")))
         goto done;
@@ -132,7 +142,7 @@ static PyObject *write_slots(PyObject *self, PyObject *args) {
         goto done;
     }
     if (!(slots = PyMem_Calloc(n ? n : 1, sizeof(Slot)))) { PyErr_NoMemory(); goto done; }
-    if (gather(fds, offs, hashes, objs, slots, n) < 0) goto done;
+    if (gather(fds, offs, hashes, objs, align, slots, n) < 0) goto done;
     hash_fn hash = (hash_fn)(uintptr_t)addr;
     int first = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -164,8 +174,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"write_slots", write_slots, METH_VARARGS,
-     "write_slots(fds, offsets, hashes, objs, hash, sync=False) -> (sums, errno): each object's header and bytes "
-     "into its slot, then (sync) fdatasync of the files written"},
+     "write_slots(fds, offsets, hashes, objs, hash, sync=False, align=0) -> (sums, errno): each object's header and "
+     "bytes into its slot (zeros after it to a multiple of align), then (sync) fdatasync of the files written"},
     {NULL, NULL, 0, NULL},
 };
 

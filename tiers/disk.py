@@ -51,7 +51,8 @@ from tiers.disk_index import RECORD, DiskIndex
 from tiers.disk_io import WriteErrors, buffers, fsync_dir, lock_root, readers, set_aside_old_layout
 from tiers.disk_records import DiskRecords, Entry
 from tiers.disk_recency import AccessTimes
-from tiers.disk_slots import Check, Segments, slot_size
+from tiers.disk_geometry import slot_size
+from tiers.disk_slots import Check, Segments
 from tiers.disk_space import FreeSlots, WritesInFlight
 from tiers.disk_sweep import sweep
 from tiers.presence import PresenceTable
@@ -143,7 +144,11 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
         finally:
             with self._lock:
                 self._reserved -= sum(sizes[i] for i in todo)
+        self._reclaim()  # slots past the marks: free ones of other sizes may now be past the capacity
         return self.contains_many(hashes)
+
+    def _reclaim(self) -> None:
+        self.space.reclaim(self.segments, self.segments.step, self.capacity_bytes)
 
     def _write_slots(self, hashes: list[BlockHash], objs: list[torch.Tensor], sizes: list[int]) -> list[Written]:
         """Write the objects (of `sizes` bytes) into free slots and make them
@@ -207,7 +212,7 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
                 return 0
             for _, e in gone:
                 self._release(e)
-        self.space.reclaim(self.segments, self.segments.step)  # past the lock: puts commit meanwhile
+        self._reclaim()  # past the lock: puts commit meanwhile
         return len(gone)
 
     def _release(self, e: Entry) -> None:

@@ -24,16 +24,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import struct
 import threading
-from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 import xxhash
 
+from tiers.disk_geometry import HEAD, MAGIC, geometry, name, padding, parse, per_file, runs, slot_size
 from tiers.disk_index import RECORD
 from tiers.disk_io import punch_hole
 from tiers.host_copy import XXH3
@@ -45,66 +43,10 @@ except ImportError:  # pragma: no cover - no C compiler where installed
     write_slots = None
 
 log = logging.getLogger(__name__)
-HEAD = struct.Struct("<4sIQ16s")  # magic, object size, xxh3_64 of the object, block hash
-MAGIC = b"TKVS"
 _EMPTY_HEAD = bytes(HEAD.size)
-SEGMENT_BYTES = 1 << 30  # per segment file (at least one slot)
 GROW_BYTES = 64 << 20  # fallocate step
 INDEX_RESERVE_BYTES = 16 << 20  # slots leave a disk's last bytes (or its last eighth) to the index's writes
 Check = Callable[[BlockHash, memoryview], bool]  # whether a slot's object is a whole object of that block
-
-
-def slot_size(size: int) -> int:
-    """The slot an object of `size` bytes takes: header + object, rounded to
-    4 KiB for page-sized objects and to 256 B for small ones."""
-    need = HEAD.size + size
-    step = 4096 if need > 8192 else 256
-    return -(-need // step) * step
-
-
-def slot_sizes(sizes: np.ndarray) -> np.ndarray:
-    """`slot_size` of each of `sizes` (uint64 array)."""
-    need = sizes.astype(np.int64) + HEAD.size
-    step = np.where(need > 8192, 4096, 256)
-    return -(-need // step) * step
-
-
-def per_file(slot: int) -> int:
-    """Slots of `slot` bytes in one segment file."""
-    return max(1, SEGMENT_BYTES // slot)
-
-
-def place(size: int, s: int) -> tuple[tuple[int, int], int]:
-    """((slot size, file number), offset of the slot) of slot `s` for an object of `size` bytes."""
-    slot = slot_size(size)
-    return (slot, s // per_file(slot)), (s % per_file(slot)) * slot
-
-
-@lru_cache(maxsize=1024)
-def _geometry(size: int) -> tuple[int, int]:
-    """(slot size, slots per file) for objects of `size` bytes (`place` without recomputing them per block)."""
-    return slot_size(size), per_file(slot_size(size))
-
-
-def _runs(c: int, slots: Sequence[int]) -> Iterator[tuple[tuple[int, int], int, int]]:
-    """(file key, start, end) of each run of neighbouring slots of `c` bytes in one file."""
-    per, run = per_file(c), []
-    for s in [*sorted(slots), -2]:
-        if run and (s != run[1] + 1 or s // per != run[0] // per):
-            yield (c, run[0] // per), (run[0] % per) * c, (run[1] % per + 1) * c
-            run = []
-        run = [run[0] if run else s, s]
-
-
-def name(key: tuple[int, int]) -> str:
-    """The file name of segment `key` (slot size, file number)."""
-    return f"{key[0]}-{key[1]}"
-
-
-def parse(name: str) -> tuple[int, int] | None:
-    """The key of a segment file's name, or None for anything else."""
-    slot, _, n = name.partition("-")
-    return (int(slot), int(n)) if slot.isdigit() and n.isdigit() else None
 
 
 class Segments:
@@ -121,7 +63,7 @@ class Segments:
 
     @staticmethod
     def _place(size: int, s: int) -> tuple[tuple[int, int], int]:
-        slot, per = _geometry(size)
+        slot, per = geometry(size)
         return (slot, s // per), (s % per) * slot
 
     def path(self, key: tuple[int, int]) -> Path:
@@ -166,9 +108,11 @@ class Segments:
         fd = self._fd(key)
         self._grow(key, fd, off + key[0])
         head = HEAD.pack(MAGIC, len(data), csum, h)
-        n = os.pwritev(fd, [head, data], off)
-        if n != HEAD.size + len(data):  # short write: finish it plainly
-            whole = head + bytes(data)
+        align = padding([len(data)])
+        pad = bytes(-(off + HEAD.size + len(data)) % align) if align else b""
+        n = os.pwritev(fd, [head, data, pad], off)
+        if n != HEAD.size + len(data) + len(pad):  # short write: finish it plainly
+            whole = head + bytes(data) + pad
             while n < len(whole):
                 n += os.pwrite(fd, whole[n:], off + n)
         return key
@@ -183,11 +127,12 @@ class Segments:
         With `durable` they are synced here too (in the C call, one GIL
         release for writes and syncs); a failed sync fails them all."""
         sizes = [o.numel() for o in objs] if sizes is None else sizes
-        placed = [((g[0], s // g[1]), (s % g[1]) * g[0]) for s, g in zip(slots, map(_geometry, sizes))]  # _place
+        placed = [((g[0], s // g[1]), (s % g[1]) * g[0]) for s, g in zip(slots, map(geometry, sizes))]  # _place
         fds, err = self._grown(placed)
         if write_slots is not None and XXH3:  # the tensors' memory as such: no numpy view per block
             refs = [(o.data_ptr(), n) for o, n in zip(objs, sizes)]
-            sums, code = write_slots(fds, [off for _, off in placed], hashes, refs, XXH3, durable and self._sync)
+            sums, code = write_slots(fds, [off for _, off in placed], hashes, refs, XXH3, durable and self._sync,
+                                     padding(sizes))
             err = err or (OSError(code, os.strerror(code)) if code else None)
         else:
             sums = []
@@ -282,7 +227,7 @@ class Segments:
         to the filesystem: the whole pages of each run of neighbouring slots.
         Bytes given back; raises OSError (EOPNOTSUPP: not on this filesystem)."""
         freed = 0
-        for key, start, end in _runs(c, slots):
+        for key, start, end in runs(c, slots):
             lo, hi = -(-start // 4096) * 4096, end // 4096 * 4096
             if hi > lo:
                 punch_hole(self._fd(key), lo, hi - lo)
@@ -294,7 +239,7 @@ class Segments:
         gave back, before they are written, so a full disk refuses here: the
         slots that could not be allocated, and the first error."""
         failed, err = set(), None
-        for key, start, end in _runs(c, slots):
+        for key, start, end in runs(c, slots):
             try:
                 os.posix_fallocate(self._fd(key), start, end - start)
             except OSError as e:

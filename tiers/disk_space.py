@@ -12,14 +12,18 @@ records on one slot; a put that fails gives its slot back.
 
 Free slots hold disk space, and each slot size has files of its own: a tier
 whose blocks changed size (another model, another block size) would hold
-its capacity again in every old size's free slots. So free space past a
-slack is given back to the filesystem (`reclaim`, oldest freed first, every
-size in proportion), and those slots are holes until one is handed out
-again and allocated before its write (`Segments.fill`).
+its capacity again in every old size's free slots. So once the slots
+holding space pass the capacity by a slack, free ones give theirs back to
+the filesystem (`reclaim`, oldest freed first, every size in proportion),
+and those slots are holes until one is handed out again and allocated
+before its write (`Segments.fill`). Free slots within the capacity keep
+their space: deleting blocks does not shrink the files, and the next put
+writes into allocated blocks.
 """
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from array import array
 from contextlib import contextmanager
@@ -28,7 +32,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from tiers.disk_slots import Segments, slot_size, slot_sizes
+from tiers.disk_geometry import slot_size, slot_sizes
+from tiers.disk_slots import Segments
 
 log = logging.getLogger(__name__)
 _ROW = np.dtype([("size", "<u8"), ("csum", "<u8"), ("slot", "<u8"), ("atime", "<u8")])  # tiers/disk_index.RECORD
@@ -138,17 +143,21 @@ class FreeSlots:
             else:
                 self._free.setdefault(c, array("Q")).append(s)
 
-    def reclaim(self, segments: Segments, slack: int) -> int:
-        """Once free slots hold more than `slack` bytes, give the space of the
-        oldest freed back to the filesystem until they hold half of it (each
-        slot size in proportion). Bytes given back."""
+    def reclaim(self, segments: Segments, slack: int, limit: int) -> int:
+        """Once the slots that hold disk space (in use or free, not holes) pass
+        `limit` + `slack` bytes, give the space of the oldest freed back to the
+        filesystem until they hold `limit` + slack / 2 (each slot size in
+        proportion). Free slots within the limit (the tier's capacity) keep
+        their space: a hole is allocated again before its next write, which
+        costs a store of large blocks a quarter of its rate. Bytes given back."""
         with self._lock:
-            total = sum(c * len(f) for c, f in self._free.items())
-            if not self._punching or total <= slack:
+            free = sum(c * len(f) for c, f in self._free.items())
+            over = self._held() - limit - slack // 2
+            if not self._punching or not free or over <= slack - slack // 2:
                 return 0
-            cut, epoch = {}, self._epoch
+            cut, epoch, share = {}, self._epoch, min(1.0, over / free)
             for c, f in self._free.items():
-                k = len(f) - int(len(f) * slack / 2 / total)
+                k = min(len(f), math.ceil(len(f) * share))
                 if k > 0:  # out of the lists while punched: nothing hands them out meanwhile
                     cut[c] = f[:k].tolist()
                     del f[:k]
@@ -165,6 +174,11 @@ class FreeSlots:
                 for c, slots in cut.items():
                     self._holes.setdefault(c, array("Q")).extend(slots[::-1])
         return freed
+
+    def _held(self) -> int:
+        """Bytes of the slots handed out that hold disk space: below the marks, less
+        the known holes (past a restart holes are not known: counted, so more is given back)."""
+        return sum(c * (m - len(self._holes.get(c, ()))) for c, m in self.marks.items())
 
     def seen(self, values: list[bytes]) -> None:
         """The walk met these index records: their slots are in use."""

@@ -36,6 +36,7 @@ class Swept(Protocol):
     swept: threading.Event  # set when the sweep ends
     segments: Segments
     space: FreeSlots
+    capacity_bytes: int
     recovering: bool  # the index was dirty at open (tiers/disk_fresh.py)
     def learn(self, after: bytes) -> list[tuple[bytes, bytes]]: ...
 
@@ -59,7 +60,7 @@ def sweep(tier: Swept) -> None:
         freed = tier.space.walked()
         if freed:
             log.info("disk tier %s: %d free slots found below the marks", tier.root, freed)
-        tier.space.reclaim(tier.segments, tier.segments.step)
+        tier.space.reclaim(tier.segments, tier.segments.step, tier.capacity_bytes)
         remove_old_layouts(tier.root)
     except Exception as e:  # a background worker: a failed sweep leaves free slots unused, never a crash
         if not tier.closed:

@@ -12,7 +12,7 @@ from pathlib import Path
 import lmdb
 
 from tiers.disk_index import RECORD
-from tiers.disk_slots import HEAD, MAGIC, parse, per_file, place
+from tiers.disk_geometry import HEAD, MAGIC, parse, per_file, place
 
 Place = tuple[Path, int, int]
 

@@ -14,6 +14,7 @@ import torch
 import xxhash
 
 import tiers.disk_slots as disk_slots
+from tiers.disk_geometry import slot_size
 from tiers.disk import DiskTier
 from tiers.disk_space import FreeSlots
 
@@ -58,21 +59,50 @@ def test_a_cache_whose_blocks_change_size_stays_near_its_capacity_on_disk(tmp_pa
     tier.close()
 
 
-def test_slots_given_back_are_allocated_again_before_they_are_written(tmp_path, monkeypatch):
-    # Blocks of one size are stored, then deleted past the slack: their space goes back.
+def fill_past_capacity(tier: DiskTier, tag: str) -> list[bytes]:
+    """Blocks of another size (256 KiB) up to the tier's 32 MiB: with the free
+    slots of the size deleted before, the files would hold ~1.5x the capacity."""
+    hs = [key(tag, i) for i in range(122)]
+    assert all(tier.put_many(hs, [block(256 << 10, i) for i in range(122)]))
+    return hs
+
+
+def test_deleted_blocks_leave_their_space_to_the_next_put_within_the_capacity(tmp_path, monkeypatch):
+    # Blocks are stored and deleted: the files keep their space (the capacity is the tier's to hold).
     tier = DiskTier(tmp_path, 32 * MB, fsync=False)
     hs = [key("a", i) for i in range(256)]
     assert all(tier.put_many(hs, [block(64 << 10, i) for i in range(256)]))
     full = allocated(tier)
     tier.delete_many(hs)
-    assert allocated(tier) < full - 8 * MB
-    # New blocks of that size take those slots again, each allocated before its write.
+    assert allocated(tier) == full
+    # New blocks of that size are written into those slots as they are: nothing to allocate again.
     filled = []
     real = os.posix_fallocate
     monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (filled.append(n), real(fd, off, n)))
     again = [key("b", i) for i in range(256)]
     assert all(tier.put_many(again, [block(64 << 10, i + 1) for i in range(256)]))
-    assert sum(filled) >= 200 * (64 << 10)
+    assert filled == [] and allocated(tier) == full
+    assert all(torch.equal(g, block(64 << 10, i + 1)) for i, g in enumerate(tier.get_many(again)))
+    tier.close()
+
+
+def test_slots_given_back_are_allocated_again_before_they_are_written(tmp_path, monkeypatch):
+    # Blocks of one size are stored and deleted, then blocks of another fill the capacity: the first
+    # size's free slots give their space back.
+    tier = DiskTier(tmp_path, 32 * MB, fsync=False)
+    hs = [key("a", i) for i in range(256)]
+    assert all(tier.put_many(hs, [block(64 << 10, i) for i in range(256)]))
+    tier.delete_many(hs)
+    before = allocated(tier)
+    tier.delete_many(fill_past_capacity(tier, "big"))
+    assert allocated(tier) < before + 32 * MB - 8 * MB
+    # New blocks of the first size take those slots again, each allocated before its write.
+    filled = []
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (filled.append(n), real(fd, off, n)))
+    again = [key("b", i) for i in range(256)]
+    assert all(tier.put_many(again, [block(64 << 10, i + 1) for i in range(256)]))
+    assert sum(filled) >= 150 * (64 << 10)
     # They read back whole, in this process and after a reopen.
     assert all(torch.equal(g, block(64 << 10, i + 1)) for i, g in enumerate(tier.get_many(again)))
     tier.close()
@@ -82,26 +112,29 @@ def test_slots_given_back_are_allocated_again_before_they_are_written(tmp_path, 
 
 
 def test_a_hole_the_full_disk_cannot_fill_fails_its_put_and_loses_no_slot(tmp_path, monkeypatch):
-    # Slots given back, then the filesystem refuses to allocate them again.
+    # Slots given back (another size filled the capacity), then the filesystem refuses to allocate them again.
     tier = DiskTier(tmp_path, 32 * MB, fsync=False)
     hs = [key("a", i) for i in range(256)]
     assert all(tier.put_many(hs, [block(64 << 10, i) for i in range(256)]))
     tier.delete_many(hs)
+    big = fill_past_capacity(tier, "big")
+    kept = tier.space.spare_bytes() // slot_size(64 << 10)
+    assert 0 < kept < 128
+    tier.delete_many(big)
 
     def full(fd, off, n):
         raise OSError(errno.ENOSPC, "full")
     monkeypatch.setattr(os, "posix_fallocate", full)
     # Puts take the free slots that kept their space; those into holes are refused (a full disk).
     done = tier.put_many([key("b", i) for i in range(256)], [block(64 << 10, i) for i in range(256)])
-    kept = tier.segments.step // 2 // (64 << 10)
-    assert done == [True] * sum(done) + [False] * (256 - sum(done)) and kept - 2 <= sum(done) <= kept + 2
+    assert done == [True] * kept + [False] * (256 - kept)
     # The slots refused are holes still: the next put into one is refused again, not written unallocated.
     assert tier.put_many([key("d", 0)], [block(64 << 10, 2)]) == [False]
     # Once the disk has room, the same slots are handed out and written.
     monkeypatch.undo()
-    again = [key("c", i) for i in range(256 - sum(done))]
+    again = [key("c", i) for i in range(256 - kept)]
     assert all(tier.put_many(again, [block(64 << 10, i) for i in range(len(again))]))
-    assert tier.space.marks[disk_slots.slot_size(64 << 10)] == 256
+    assert tier.space.marks[slot_size(64 << 10)] == 256
     tier.close()
 
 
@@ -114,12 +147,13 @@ def test_a_filesystem_that_cannot_punch_holes_keeps_the_space_and_says_so_once(t
         raise OSError(errno.EOPNOTSUPP, "not supported")
     monkeypatch.setattr(disk_slots, "punch_hole", refuse)
     tier = DiskTier(tmp_path, 32 * MB, fsync=False)
-    # Deleting past the slack twice: one warning, one try, every block still stored and read as before.
+    # Free slots past the capacity twice: one warning, one try, every block still stored and read as before.
     with caplog.at_level(logging.WARNING, logger="tiers.disk_space"):
         for tag in ("a", "b"):
             hs = [key(tag, i) for i in range(256)]
             assert all(tier.put_many(hs, [block(64 << 10, i) for i in range(256)]))
             tier.delete_many(hs)
+            tier.delete_many(fill_past_capacity(tier, f"big-{tag}"))
     assert len(calls) == 1 and sum("keep their disk space" in r.message for r in caplog.records) == 1
     assert all(tier.put_many([key("c", 0)], [block(64 << 10, 3)]))
     assert torch.equal(tier.get_many([key("c", 0)])[0], block(64 << 10, 3))
@@ -138,12 +172,10 @@ class RebuildWhilePunching:
 
 
 def test_slots_a_rebuild_indexed_while_their_space_was_given_back_are_not_handed_out():
-    # 100 free slots of 4 KiB, far past a slack of 8 KiB.
+    # 100 free slots of 4 KiB, found free by the walk.
     space = FreeSlots({4096: 100})
-    space.walked()
-    for s in range(100):
-        space.give(4000, s)
-    # The index is rebuilt while their space goes back, and names them all.
-    space.reclaim(RebuildWhilePunching(space), 8192)
+    assert space.walked() == 100
+    # The index is rebuilt while all their space goes back (past a capacity and a slack of none), and names them all.
+    space.reclaim(RebuildWhilePunching(space), 0, 0)
     # None of the slots given back is handed out again: new blocks go past the mark.
     assert space.take_many([4000] * 3)[-1] >= 100

@@ -13,6 +13,7 @@ import xxhash
 from tests.tiers.disk_writer_child import block_for, key_for
 from tiers import disk_slots
 from tiers.disk import DiskTier
+from tiers.disk_geometry import PAGE, slot_size
 from tiers.disk_slots import Segments
 
 MB = 1 << 20
@@ -124,13 +125,36 @@ def test_a_batch_of_slot_writes_in_one_call_writes_what_the_python_loop_writes(t
 
 
 @pytest.mark.parametrize("in_c", [True, False])
+def test_a_slot_of_whole_pages_is_written_to_its_end_and_a_small_one_to_its_object(tmp_path, monkeypatch, in_c):
+    # (a slot's last page written in part is read in by the kernel first when it is not cached)
+    if not in_c:
+        monkeypatch.setattr(disk_slots, "write_slots", None)
+    segs = Segments(tmp_path, sync=True)
+    for n in (20_000, 1_000):  # a slot of five pages; a small slot, sharing its pages with others
+        slot = slot_size(n)
+        hs = [bytes([i]) * 16 for i in range(3)]
+        objs = [torch.full((n,), 7 + i, dtype=torch.uint8) for i in range(3)]
+        segs.path((slot, 0)).write_bytes(b"\xee" * 3 * slot)  # the slots hold old bytes from end to end
+        # new objects, shorter than the old ones
+        sums, files, err = segs.write_many(hs, objs, [0, 1, 2])
+        assert err is None and None not in sums and files == {(slot, 0)}
+        raw = segs.path((slot, 0)).read_bytes()
+        for s, o in enumerate(objs):
+            body = raw[s * slot + 32:(s + 1) * slot]
+            assert body[:n] == bytes(o.numpy())
+            # past the object: zeros to a slot of whole pages' end; the old bytes in a small slot
+            assert body[n:] == (bytes(slot - 32 - n) if slot % PAGE == 0 else b"\xee" * (slot - 32 - n))
+    segs.close()
+
+
+@pytest.mark.parametrize("in_c", [True, False])
 def test_a_batch_whose_file_cannot_grow_writes_nothing_there_and_says_why(tmp_path, monkeypatch, in_c):
     if not in_c:
         monkeypatch.setattr(disk_slots, "write_slots", None)
     segs = Segments(tmp_path, sync=True)
     hs = same_size_keys(64)[:3]
     datas = [block_for(h) for h in hs]
-    small = disk_slots.slot_size(datas[0].numel())
+    small = slot_size(datas[0].numel())
 
     # the disk is full past the first segment's first slot
     def allocate_one_slot(fd, off, length):
@@ -155,7 +179,7 @@ def test_a_failed_slot_write_in_the_c_batch_is_reported_and_the_others_still_lan
     # one fd that cannot be written (read-only) between two that can
     (tmp_path / "ro").write_bytes(b"")
     ro, rw = os.open(tmp_path / "ro", os.O_RDONLY), os.open(tmp_path / "rw", os.O_RDWR | os.O_CREAT)
-    far = disk_slots.slot_size(len(data))
+    far = slot_size(len(data))
     sums, code = disk_slots.write_slots([rw, ro, rw], [0, 0, far], [h] * 3, [data] * 3, XXH3)
     # the failure is None with its errno; the others hold header and object
     assert sums[1] is None and code == errno.EBADF and sums[0] == sums[2] == xxhash.xxh3_64_intdigest(data)
