@@ -161,7 +161,7 @@ class LLM:
         batch = self.scheduler.schedule()
         assert batch, "a non-empty queue must always schedule something"
         done, logits = self.runner.run(batch)
-        tokens = sample(logits, done, self._default_gen) if done else []
+        tokens = sample(logits, done, self._default_gen, self.scheduler.eos_token_ids) if done else []
         return self.scheduler.update(batch, dict(zip(done, tokens)))
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:

@@ -1,4 +1,9 @@
-"""Token sampling: greedy, or temperature + top-k + top-p with a seedable generator."""
+"""Token sampling: greedy, or temperature + top-k + top-p with a seedable generator.
+
+Before either, a request's logits are adjusted as vLLM's logits processors
+do, in their order: EOS and stop tokens masked until `min_tokens`, then
+`logit_bias` added, then the repetition penalty (prompt and output tokens)
+and the frequency and presence penalties (output tokens)."""
 from __future__ import annotations
 
 import torch
@@ -8,16 +13,40 @@ from engine.sequence import Sequence
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy: dividing by it overflows float32 logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Generator) -> list[int]:
-    """Pick one token per row of `logits` ([B, vocab], float32) for `seqs` (same order)."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Generator,
+           eos_ids: frozenset[int] = frozenset()) -> list[int]:
+    """Pick one token per row of `logits` ([B, vocab], float32) for `seqs` (same order);
+    `eos_ids`: the model's end tokens (masked until a request's min_tokens)."""
     assert logits.shape[0] == len(seqs)
     out = logits.argmax(-1).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params
+        row = adjusted(logits[i], seq, eos_ids) if p.adjusts_logits else logits[i]
         if p.temperature >= GREEDY_BELOW:
             gen = seq.generator if seq.generator is not None else default_gen
-            out[i] = _sample_row(_top_k(logits[i], p.top_k), p.temperature, p.top_p, gen)
+            out[i] = _sample_row(_top_k(row, p.top_k), p.temperature, p.top_p, gen)
+        elif p.adjusts_logits:
+            out[i] = int(row.argmax())
     return out
+
+
+def adjusted(logits: torch.Tensor, seq: Sequence, eos_ids: frozenset[int]) -> torch.Tensor:
+    """A copy of one request's logits with its min_tokens, logit_bias and penalties applied."""
+    p, out = seq.params, seq.output_token_ids
+    logits = logits.clone()
+    if len(out) < p.min_tokens:
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+        logits[sorted(stops)] = float("-inf")
+    if p.logit_bias:
+        logits[list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+        v = logits[seen]
+        logits[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if p.frequency_penalty or p.presence_penalty:
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel()).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def _top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

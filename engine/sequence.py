@@ -21,6 +21,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be picked before this many tokens
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of each token the output holds
+    frequency_penalty: float = 0.0  # OpenAI's: times the count of each token in the output, subtracted
+    repetition_penalty: float = 1.0  # vLLM's: logits of prompt and output tokens divided (> 0) or multiplied by it
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -32,6 +37,22 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"sampling.max_tokens must be a positive int, got {self.max_tokens!r}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError(f"sampling.min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"sampling.{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ConfigError(f"sampling.repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ConfigError("sampling.logit_bias values must be in [-100, 100]")
+        self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any of min_tokens, the penalties and logit_bias changes what the model's logits say."""
+        return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias)
 
 
 class SeqStatus(Enum):

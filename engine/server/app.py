@@ -247,10 +247,20 @@ def _sampling(llm: LLM, body: api._Common, prompt_len: int, max_tokens: int | No
                          f"{prompt_len + (max_tokens or 1)} tokens ({prompt_len} in the messages, {max_tokens or 1} "
                          f"in the completion).", code="context_length_exceeded", param="max_tokens")
     seed = None if body.seed is None else (body.seed + seed_offset) % 2**64  # choice k of n: seed + k, as a u64
+    if body.min_tokens and body.min_tokens > (max_tokens or room):
+        raise BadRequest(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens or room})",
+                         param="min_tokens")
+    vocab = llm.model_config.vocab_size
+    for name, ids in (("stop_token_ids", body.stop_token_ids or ()), ("logit_bias", map(int, body.logit_bias or {}))):
+        if any(not 0 <= t < vocab for t in ids):
+            raise BadRequest(f"{name} must hold token ids in [0, {vocab})", param=name)
     return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                           top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
                           max_tokens=max_tokens or room, seed=seed, ignore_eos=body.ignore_eos,
-                          stop_token_ids=tuple(body.stop_token_ids or ()))
+                          stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens or 0,
+                          presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                          repetition_penalty=body.repetition_penalty or 1.0,
+                          logit_bias={int(t): b for t, b in (body.logit_bias or {}).items()})
 
 
 def _errors(app: FastAPI) -> None:

@@ -44,7 +44,7 @@ class Generation:
         assert len(prompts) == len(params)
         self.loop, self.metrics = loop, metrics
         self._prompts, self._params = prompts, params
-        self._streams = [TextStream(tokenizer, stop) for _ in prompts]
+        self._streams = [TextStream(tokenizer, stop, sp.min_tokens) for sp in params]
         self._requests: list[Request] = []
         self._last = [0.0] * len(prompts)
         self.outputs: list[RequestOutput | None] = [None] * len(prompts)

@@ -15,9 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # known fields this server does not implement -> their no-op values (vLLM's extensions among them)
-UNSUPPORTED = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-               "logit_bias": ({},), "min_tokens": (0,), "suffix": ("",), "tools": ([],),
-               "response_format": ({"type": "text"},), "cache_salt": ("",)}
+UNSUPPORTED = {"suffix": ("",), "tools": ([],), "response_format": ({"type": "text"},), "cache_salt": ("",)}
+LOGIT_BIAS_MAX = 1024  # entries of one request's logit_bias
 
 
 class StreamOptions(BaseModel):
@@ -42,6 +41,21 @@ class _Common(BaseModel):
     best_of: int | None = Field(None, ge=1)
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's field; our session hints live under "tierkv"
     logprobs: bool | int | None = None  # not supported: refused rather than silently ignored
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)  # vLLM's extension
+    logit_bias: dict[str, float] | None = Field(None, max_length=LOGIT_BIAS_MAX)  # token id (as a string) -> bias
+    min_tokens: int | None = Field(None, ge=0)  # vLLM's extension
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        return v
 
     @model_validator(mode="before")
     @classmethod

@@ -6,7 +6,8 @@ the text they add is what that window decodes to past its context (decoding
 all ids at every token was quadratic: 5.9 s of the event loop for one
 8,000-token answer). A delta is released only when it is final: not ending in
 an incomplete character, and not possibly the start of a stop string. A stop
-string ends the output before it, as in OpenAI's API.
+string ends the output before it, as in OpenAI's API; before `min_tokens`
+ids none is looked for (as in vLLM).
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ CONTEXT_IDS = 6  # ids decoded before the new ones, so that they render as withi
 class TextStream:
     """Incremental detokenizer of one request's output."""
 
-    def __init__(self, tokenizer, stop: list[str] | None = None) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, stop: list[str] | None = None, min_tokens: int = 0) -> None:
+        self.tokenizer, self.min_tokens = tokenizer, min_tokens
         self.stop = [s for s in (stop or []) if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []  # every id fed (the usage counts them)
@@ -66,6 +67,8 @@ class TextStream:
         return full
 
     def _stop_at(self, full: str) -> int | None:
+        if len(self.ids) < self.min_tokens:
+            return None
         start = max(0, len(self.text) - self._hold)
         found = [i for s in self.stop if (i := full.find(s, start)) >= 0]
         return min(found) if found else None

@@ -9,6 +9,7 @@ blocks of 16 tokens), so other traffic evicts what is not pinned.
 """
 from __future__ import annotations
 
+import collections
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -148,14 +149,17 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server):
         client.chat.completions.create(model=MODEL, messages=hi, logprobs=True)
     with pytest.raises(openai.BadRequestError, match="echo is not supported"):
         client.completions.create(model=MODEL, prompt="hi", echo=True)
-    for field, value in (("frequency_penalty", 2.0), ("presence_penalty", 1.0), ("logit_bias", {"5": -100}),
-                         ("best_of", 3)):
-        with pytest.raises(openai.BadRequestError, match=f"{field}[a-z ]* not supported"):
-            client.completions.create(model=MODEL, prompt="hi", **{field: value})
-    with pytest.raises(openai.BadRequestError, match="min_tokens is not supported"):
-        ask(client, hi, min_tokens=5)
-    with pytest.raises(openai.BadRequestError, match="cache_salt is not supported"):  # no isolation it cannot keep
-        ask(client, hi, cache_salt="tenant-a")
+    with pytest.raises(openai.BadRequestError, match="best_of[a-z ]* not supported"):
+        client.completions.create(model=MODEL, prompt="hi", best_of=3)
+    # Sampling parameters out of their ranges, or naming tokens the model does not have, are 400s.
+    for field, bad in (("frequency_penalty", {"frequency_penalty": 2.5}), ("presence_penalty", {"presence_penalty": -3}),
+                       ("logit_bias", {"logit_bias": {"hello": 1}}), ("logit_bias", {"logit_bias": {"5": 101}}),
+                       ("logit_bias", {"logit_bias": {str(10**9): 1}}),
+                       ("min_tokens", {"max_tokens": 4, "extra_body": {"min_tokens": 5}}),
+                       ("repetition_penalty", {"extra_body": {"repetition_penalty": 0}}),
+                       ("stop_token_ids", {"extra_body": {"stop_token_ids": [10**9]}})):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.completions.create(model=MODEL, prompt="hi", **bad)
     # A lone UTF-16 surrogate (valid JSON, not text) is a 400 in a prompt, a message and a model name.
     for body in ({"model": MODEL, "prompt": "\ud83d"}, {"model": "\ud83d", "prompt": "hi"}):
         assert server.post_json("/v1/completions", body)[0] == 400
@@ -202,6 +206,23 @@ def test_sampling_extensions_and_usage_per_prompt(server):
     # Its text is what came before the stop token (as in vLLM); the stop token counts as generated.
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 2
     assert cut.choices[0].text == tok.decode(tok.encode(first)[:1])
+    # logit_bias: +100 on a token makes it the greedy pick at every step.
+    forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={str(stop_id): 100})
+    assert forced.choices[0].text == tok.decode([stop_id] * 4)
+    # EOS biased to the top ends the answer at once; min_tokens holds it back that many tokens.
+    eos = {"logit_bias": {str(tok.eos_token_id): 100}}
+    ends = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, **eos)
+    assert ends.choices[0].finish_reason == "stop" and ends.usage.completion_tokens == 1
+    late = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, **eos,
+                                     extra_body={"min_tokens": 5})
+    assert late.choices[0].finish_reason == "stop" and late.usage.completion_tokens == 6
+    # A frequency penalty makes a greedy answer that repeats one token repeat it less.
+    loop = "1 1 1 1 1 1 1 1 1 1 1 1"
+    plain, penalised = (client.completions.create(model=MODEL, prompt=loop, max_tokens=16, temperature=0,
+                                                  frequency_penalty=f) for f in (0, 2.0))
+    most = [max(collections.Counter(tok.encode(c.choices[0].text)).values()) for c in (plain, penalised)]
+    assert most[1] < most[0]
     # n choices of one prompt count its tokens once, as OpenAI and vLLM do.
     many = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, n=4)
     assert many.usage.prompt_tokens == greedy.usage.prompt_tokens
