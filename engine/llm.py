@@ -122,6 +122,8 @@ class LLM:
         if len(plist) != len(prompts):
             raise ConfigError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         token_lists = [self.prompt_ids(p) for p in prompts]  # all validated before any is queued
+        for sp in plist:
+            self._check_ids(sp)
         seqs = [self.add_request(ids, sp) for ids, sp in zip(token_lists, plist)]
         while not all(s.is_finished for s in seqs):
             self.step()
@@ -130,9 +132,15 @@ class LLM:
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Queue one prompt; drive it with `step()` (or use `generate`)."""
         ids = self.prompt_ids(prompt)
+        self._check_ids(params)
         seq = Sequence(next(self._ids), ids, params, generator=make_generator(params.seed, self.device))
         self.scheduler.add(seq)
         return seq
+
+    def _check_ids(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in (*params.stop_token_ids, *params.logit_bias)):
+            raise PromptError(f"stop_token_ids and logit_bias must name token ids in [0, {vocab})")
 
     def abort(self, seq: Sequence) -> None:
         """Stop a request now (a client went away, or a stop string was met);

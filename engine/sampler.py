@@ -21,30 +21,37 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Genera
     out = logits.argmax(-1).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params
+        if not p.adjusts_logits and p.temperature < GREEDY_BELOW:
+            continue  # the plain argmax: no row view (a batch of greedy rows pays nothing per row)
         row = adjusted(logits[i], seq, eos_ids) if p.adjusts_logits else logits[i]
         if p.temperature >= GREEDY_BELOW:
             gen = seq.generator if seq.generator is not None else default_gen
             out[i] = _sample_row(_top_k(row, p.top_k), p.temperature, p.top_p, gen)
-        elif p.adjusts_logits:
+        else:
             out[i] = int(row.argmax())
     return out
 
 
 def adjusted(logits: torch.Tensor, seq: Sequence, eos_ids: frozenset[int]) -> torch.Tensor:
-    """A copy of one request's logits with its min_tokens, logit_bias and penalties applied."""
-    p, out = seq.params, seq.output_token_ids
+    """A copy of one request's logits with its min_tokens, logit_bias and penalties applied
+    (EOS is masked under min_tokens even with ignore_eos, as in vLLM)."""
+    p, out, dev = seq.params, seq.output_token_ids, logits.device
     logits = logits.clone()
     if len(out) < p.min_tokens:
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-        logits[sorted(stops)] = float("-inf")
+        logits[sorted(set(p.stop_token_ids) | set(eos_ids))] = float("-inf")
     if p.logit_bias:
-        logits[list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        logits[list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=dev)
+    if p.repetition_penalty == 1.0 and not (p.frequency_penalty or p.presence_penalty):
+        return logits
+    counts = torch.bincount(torch.tensor(out, dtype=torch.long, device=dev), minlength=logits.numel())
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
-        v = logits[seen]
-        logits[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if seq.prompt_mask is None:  # once per request: a prompt of thousands of tokens, not per step
+            prompt = torch.tensor(seq.token_ids[:seq.num_prompt_tokens], dtype=torch.long, device=dev)
+            seq.prompt_mask = torch.bincount(prompt, minlength=logits.numel()) > 0
+        penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits = torch.where(seq.prompt_mask | (counts > 0), penalised, logits)
     if p.frequency_penalty or p.presence_penalty:
-        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel()).to(logits.dtype)
+        counts = counts.to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 

@@ -1,6 +1,7 @@
 """Sampling parameters and the per-request state the scheduler moves around."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -37,16 +38,18 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"sampling.max_tokens must be a positive int, got {self.max_tokens!r}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if min(self.stop_token_ids + tuple(self.logit_bias), default=0) < 0:
+            raise ConfigError("sampling.stop_token_ids and logit_bias must name token ids >= 0")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ConfigError(f"sampling.min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ConfigError(f"sampling.{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ConfigError(f"sampling.repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ConfigError(f"sampling.repetition_penalty must be finite and > 0, got {self.repetition_penalty!r}")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
             raise ConfigError("sampling.logit_bias values must be in [-100, 100]")
-        self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
 
     @property
     def adjusts_logits(self) -> bool:
@@ -82,6 +85,7 @@ class Sequence:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     finish_s: float | None = None
+    prompt_mask: torch.Tensor | None = None  # which token ids the prompt holds (the repetition penalty's, made once)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

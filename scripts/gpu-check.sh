@@ -2,7 +2,8 @@
 # The CUDA paths on a lent GPU machine (torch + triton there; no lmdb/redis/boto3 needed):
 # the HBM tier, the Triton kernels compiled for the GPU against their torch references (the masked
 # and the unmasked variant, one and several pages per block, from the main thread and another),
-# and vLLM's CUDA (flash-attention) layout adapter, each bit for bit. A section that raises is
+# vLLM's CUDA (flash-attention) layout adapter, each bit for bit, and serve-engine's logit adjustments
+# on CUDA logits against the CPU's. A section that raises is
 # recorded as its error, not a traceback. Last line: one JSON object.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -100,8 +101,23 @@ def hbm():
     out["hbm_to_pinned_gbs"] = round(len(hs) * object_size(ns) / timed(lambda: tier.get_into(hs, outs), reps=5) / 1e9, 1)
 
 section("hbm", hbm)
+
+def sampler():
+    """serve-engine's logit adjustments (min_tokens, logit_bias, penalties) on CUDA logits, against the CPU's."""
+    from engine.sampler import adjusted
+    from engine.sequence import SamplingParams, Sequence
+    def request():
+        seq = Sequence(1, [1, 5, 5, 8], SamplingParams(min_tokens=8, stop_token_ids=(7,), logit_bias={3: 5.0},
+                                                       repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5))
+        seq.token_ids += [5, 9, 9]
+        return seq
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    cpu, gpu = adjusted(logits, request(), frozenset({2})), adjusted(logits.to(dev), request(), frozenset({2}))
+    out["sampler_same"] = gpu.device == dev and torch.allclose(cpu, gpu.cpu())
+
+section("sampler", sampler)
 checks = {k: v for k, v in out.items() if k.endswith(("_same", "_put", "_ok"))}
-ok = len(checks) == 15 and all(checks.values()) and not any(k.endswith("_error") for k in out)
+ok = len(checks) == 16 and all(checks.values()) and not any(k.endswith("_error") for k in out)
 print("gpu-check:", "ok" if ok else "FAILED")
 print(json.dumps(out))
 sys.exit(0 if ok else 1)

@@ -8,6 +8,7 @@ documented shape. Errors use OpenAI's error body.
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -51,7 +52,7 @@ class _Common(BaseModel):
     @classmethod
     def _biases(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (v or {}).items():
-            if not token.isdigit():
+            if not re.fullmatch(r"[0-9]{1,10}", token):
                 raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")

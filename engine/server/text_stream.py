@@ -6,8 +6,8 @@ the text they add is what that window decodes to past its context (decoding
 all ids at every token was quadratic: 5.9 s of the event loop for one
 8,000-token answer). A delta is released only when it is final: not ending in
 an incomplete character, and not possibly the start of a stop string. A stop
-string ends the output before it, as in OpenAI's API; before `min_tokens`
-ids none is looked for (as in vLLM).
+string ends the output before it, as in OpenAI's API; one lying wholly in
+the text of the first `min_tokens` ids does not count (as in vLLM).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ class TextStream:
         self.ids: list[int] = []  # every id fed (the usage counts them)
         self.text = ""  # released so far
         self.stopped = False
+        self._floor = 0  # length of the text of the first min_tokens ids: no stop string ends in it
         # special tokens decode to nothing here (skip_special_tokens): left out of the ids decoded, so a run
         # of them (EOS under ignore_eos) costs nothing and is never a window's only context
         self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))
@@ -67,10 +68,11 @@ class TextStream:
         return full
 
     def _stop_at(self, full: str) -> int | None:
-        if len(self.ids) < self.min_tokens:
+        if len(self.ids) <= self.min_tokens:
+            self._floor = len(full)
             return None
         start = max(0, len(self.text) - self._hold)
-        found = [i for s in self.stop if (i := full.find(s, start)) >= 0]
+        found = [i for s in self.stop if (i := full.find(s, max(start, self._floor - len(s) + 1))) >= 0]
         return min(found) if found else None
 
     def _release(self, upto: str) -> str:

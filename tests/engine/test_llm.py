@@ -130,6 +130,15 @@ def test_bad_inputs(tiny_llm_factory, tiny_prompts):
         llm.generate([[]], GREEDY)
     with pytest.raises(PromptError):
         llm.generate([[1, 2, llm.model_config.vocab_size]], GREEDY)
+    # as are a logit bias or stop token outside it: refused before queueing, and the engine goes on
+    vocab = llm.model_config.vocab_size
+    for params in (SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}),
+                   SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=(vocab,))):
+        with pytest.raises(PromptError, match="token ids"):
+            llm.generate([[5, 6, 7]], params)
+        assert not llm.scheduler.waiting and not llm.scheduler.running
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logit_bias={vocab - 1: 100.0}))[0].token_ids == \
+        [vocab - 1] * 2
     # and bad sampling or engine settings
     with pytest.raises(ConfigError):
         SamplingParams(top_p=0.0)

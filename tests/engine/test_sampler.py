@@ -22,7 +22,7 @@ def reference(logits: list[float], seq: Sequence) -> list[float]:
     """vLLM's order, one token at a time."""
     p, out, row = seq.params, seq.output_token_ids, list(logits)
     if len(out) < p.min_tokens:
-        for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(EOS)):
+        for t in set(p.stop_token_ids) | set(EOS):  # EOS even under ignore_eos, as in vLLM
             row[t] = float("-inf")
     for t, b in p.logit_bias.items():
         row[t] += b
@@ -39,6 +39,7 @@ def reference(logits: list[float], seq: Sequence) -> list[float]:
     {"logit_bias": {3: 100.0, 4: -100.0, 5: 0.5}},
     {"repetition_penalty": 1.3},
     {"repetition_penalty": 0.7},
+    {"repetition_penalty": 2.5},
     {"frequency_penalty": 0.8, "presence_penalty": -0.5},
     {"min_tokens": 2, "logit_bias": {2: 5.0}, "repetition_penalty": 1.2, "frequency_penalty": 2.0, "presence_penalty": 2.0},
 ])
@@ -76,7 +77,9 @@ def test_greedy_rows_without_adjustments_keep_the_plain_argmax_beside_adjusted_o
 
 
 @pytest.mark.parametrize("bad", [{"presence_penalty": 2.5}, {"frequency_penalty": -3.0}, {"repetition_penalty": 0.0},
-                                 {"logit_bias": {1: 101.0}}, {"min_tokens": 9, "max_tokens": 8}, {"min_tokens": -1}])
+                                 {"repetition_penalty": float("inf")}, {"logit_bias": {1: 101.0}},
+                                 {"logit_bias": {-1: 1.0}}, {"stop_token_ids": (-1,)},
+                                 {"min_tokens": 9, "max_tokens": 8}, {"min_tokens": -1}])
 def test_out_of_range_parameters_are_refused(bad):
     with pytest.raises(ConfigError):
         SamplingParams(**bad)

@@ -154,6 +154,7 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server):
     # Sampling parameters out of their ranges, or naming tokens the model does not have, are 400s.
     for field, bad in (("frequency_penalty", {"frequency_penalty": 2.5}), ("presence_penalty", {"presence_penalty": -3}),
                        ("logit_bias", {"logit_bias": {"hello": 1}}), ("logit_bias", {"logit_bias": {"5": 101}}),
+                       ("logit_bias", {"logit_bias": {"\u00b2": 1}}),  # a digit to str.isdigit, not to int(): was a 500
                        ("logit_bias", {"logit_bias": {str(10**9): 1}}),
                        ("min_tokens", {"max_tokens": 4, "extra_body": {"min_tokens": 5}}),
                        ("repetition_penalty", {"extra_body": {"repetition_penalty": 0}}),

@@ -29,6 +29,21 @@ def test_deltas_add_up_to_the_text_even_through_multibyte_characters(tokenizer):
     assert not any("\ufffd" in d for d in deltas)
 
 
+@pytest.mark.parametrize("min_tokens", range(0, 10))
+def test_a_stop_string_within_the_first_min_tokens_does_not_end_the_output(tokenizer, min_tokens):
+    # "9 1" first ends within the text of ids[:k]; whatever min_tokens is, the output is cut before the
+    # stop string or not at all: never inside it.
+    ids = tokenizer.encode(" 9 10 11 12 13")  # one token per digit and space
+    stream = TextStream(tokenizer, stop=["9 1"], min_tokens=min_tokens)
+    text = "".join(feed_one_by_one(stream, ids))
+    k = next(n for n in range(len(ids) + 1) if "9 1" in tokenizer.decode(ids[:n]))
+    whole = tokenizer.decode(ids)
+    if min_tokens < k:
+        assert stream.stopped and text == whole[:whole.index("9 1")]
+    else:
+        assert not stream.stopped and text == whole
+
+
 def test_a_stop_string_ends_the_output_before_it_even_across_tokens(tokenizer):
     ids = tokenizer.encode("First line. Second line. END of it all")
     stream = TextStream(tokenizer, stop=["END of", "zzz"])
