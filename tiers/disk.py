@@ -144,11 +144,15 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
         finally:
             with self._lock:
                 self._reserved -= sum(sizes[i] for i in todo)
-        self._reclaim()  # slots past the marks: free ones of other sizes may now be past the capacity
+        self.reclaim()  # less room: free slots of other sizes may now be more than it can fill
         return self.contains_many(hashes)
 
-    def _reclaim(self) -> None:
-        self.space.reclaim(self.segments, self.segments.step, self.capacity_bytes)
+    def reclaim(self) -> None:
+        """Free slots' space past the room left goes back (`FreeSlots.reclaim`); not once closed
+        (a close waits for this: it closes the files punched)."""
+        with self._writes.writing():
+            if not self.closed:
+                self.space.reclaim(self.segments, self.segments.step, self.free_bytes())
 
     def _write_slots(self, hashes: list[BlockHash], objs: list[torch.Tensor], sizes: list[int]) -> list[Written]:
         """Write the objects (of `sizes` bytes) into free slots and make them
@@ -212,7 +216,7 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
                 return 0
             for _, e in gone:
                 self._release(e)
-        self._reclaim()  # past the lock: puts commit meanwhile
+        self.reclaim()  # past the lock: puts commit meanwhile
         return len(gone)
 
     def _release(self, e: Entry) -> None:

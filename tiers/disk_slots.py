@@ -101,14 +101,15 @@ class Segments:
                         raise  # ENOSPC for the slot itself: the disk is full
             self._ends[key] = max(os.fstat(fd).st_size, end)
 
-    def write(self, h: BlockHash, data: memoryview, s: int, csum: int) -> tuple[int, int]:
+    def write(self, h: BlockHash, data: memoryview, s: int, csum: int, align: int | None = None) -> tuple[int, int]:
         """Write the object `data` of block `h` (checksum `csum`) into slot `s`
-        of its size; the file's key, to `sync`. Raises OSError (ENOSPC: full)."""
+        of its size, zeros after it to a multiple of `align` (`padding` of its
+        size when None); the file's key, to `sync`. Raises OSError (ENOSPC: full)."""
         key, off = self._place(len(data), s)
         fd = self._fd(key)
         self._grow(key, fd, off + key[0])
         head = HEAD.pack(MAGIC, len(data), csum, h)
-        align = padding([len(data)])
+        align = padding([len(data)]) if align is None else align
         pad = bytes(-(off + HEAD.size + len(data)) % align) if align else b""
         n = os.pwritev(fd, [head, data, pad], off)
         if n != HEAD.size + len(data) + len(pad):  # short write: finish it plainly
@@ -128,11 +129,10 @@ class Segments:
         release for writes and syncs); a failed sync fails them all."""
         sizes = [o.numel() for o in objs] if sizes is None else sizes
         placed = [((g[0], s // g[1]), (s % g[1]) * g[0]) for s, g in zip(slots, map(geometry, sizes))]  # _place
-        fds, err = self._grown(placed)
+        fds, err, align = *self._grown(placed), padding(sizes)
         if write_slots is not None and XXH3:  # the tensors' memory as such: no numpy view per block
             refs = [(o.data_ptr(), n) for o, n in zip(objs, sizes)]
-            sums, code = write_slots(fds, [off for _, off in placed], hashes, refs, XXH3, durable and self._sync,
-                                     padding(sizes))
+            sums, code = write_slots(fds, [off for _, off in placed], hashes, refs, XXH3, durable and self._sync, align)
             err = err or (OSError(code, os.strerror(code)) if code else None)
         else:
             sums = []
@@ -143,7 +143,7 @@ class Segments:
                 d = memoryview(o.numpy())
                 csum = xxhash.xxh3_64_intdigest(d)
                 try:
-                    self.write(h, d, s, csum)
+                    self.write(h, d, s, csum, align)
                     sums[-1] = csum
                 except OSError as e:
                     err = err or e

@@ -12,18 +12,18 @@ records on one slot; a put that fails gives its slot back.
 
 Free slots hold disk space, and each slot size has files of its own: a tier
 whose blocks changed size (another model, another block size) would hold
-its capacity again in every old size's free slots. So once the slots
-holding space pass the capacity by a slack, free ones give theirs back to
-the filesystem (`reclaim`, oldest freed first, every size in proportion),
-and those slots are holes until one is handed out again and allocated
-before its write (`Segments.fill`). Free slots within the capacity keep
-their space: deleting blocks does not shrink the files, and the next put
-writes into allocated blocks.
+its capacity again in every old size's free slots. So once the free slots
+hold more space than the tier could still fill (its capacity less what it
+stores) by a slack, some give theirs back to the filesystem (`reclaim`: the
+least used sizes' first, oldest freed first), and those slots are holes
+until one is handed out again and allocated before its write
+(`Segments.fill`). Free slots the tier can fill keep their space: deleting
+blocks does not shrink the files, and the next put writes into allocated
+blocks.
 """
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from array import array
 from contextlib import contextmanager
@@ -143,24 +143,28 @@ class FreeSlots:
             else:
                 self._free.setdefault(c, array("Q")).append(s)
 
-    def reclaim(self, segments: Segments, slack: int, limit: int) -> int:
-        """Once the slots that hold disk space (in use or free, not holes) pass
-        `limit` + `slack` bytes, give the space of the oldest freed back to the
-        filesystem until they hold `limit` + slack / 2 (each slot size in
-        proportion). Free slots within the limit (the tier's capacity) keep
-        their space: a hole is allocated again before its next write, which
-        costs a store of large blocks a quarter of its rate. Bytes given back."""
+    def reclaim(self, segments: Segments, slack: int, room: int) -> int:
+        """Once the free slots holding disk space pass `room` (the bytes the
+        tier may still store) by `slack`, give back the space of free slots
+        until they hold room + slack / 2: those of the sizes with the fewest
+        slots in use first (an old block size's), oldest freed first. Free
+        slots the tier can fill within its capacity keep their space (a hole
+        is allocated again before its next write, which costs a store of
+        large blocks a quarter of its rate). Bytes given back."""
         with self._lock:
             free = sum(c * len(f) for c, f in self._free.items())
-            over = self._held() - limit - slack // 2
-            if not self._punching or not free or over <= slack - slack // 2:
+            if not self._punching or free <= room + slack:
                 return 0
-            cut, epoch, share = {}, self._epoch, min(1.0, over / free)
-            for c, f in self._free.items():
-                k = min(len(f), math.ceil(len(f) * share))
+            cut, epoch, over = {}, self._epoch, free - room - slack // 2
+            for c in sorted(self._free, key=self._in_use):
+                f = self._free[c]
+                k = min(len(f), -(-over // c))
                 if k > 0:  # out of the lists while punched: nothing hands them out meanwhile
                     cut[c] = f[:k].tolist()
                     del f[:k]
+                    over -= k * c
+                if over <= 0:
+                    break
         freed = 0
         try:
             for c, slots in cut.items():
@@ -175,10 +179,9 @@ class FreeSlots:
                     self._holes.setdefault(c, array("Q")).extend(slots[::-1])
         return freed
 
-    def _held(self) -> int:
-        """Bytes of the slots handed out that hold disk space: below the marks, less
-        the known holes (past a restart holes are not known: counted, so more is given back)."""
-        return sum(c * (m - len(self._holes.get(c, ()))) for c, m in self.marks.items())
+    def _in_use(self, c: int) -> int:
+        """Slots of `c` bytes handed out and not free (nor holes) now."""
+        return self.marks.get(c, 0) - len(self._free.get(c, ())) - len(self._holes.get(c, ()))
 
     def seen(self, values: list[bytes]) -> None:
         """The walk met these index records: their slots are in use."""

@@ -36,13 +36,14 @@ class Swept(Protocol):
     swept: threading.Event  # set when the sweep ends
     segments: Segments
     space: FreeSlots
-    capacity_bytes: int
     recovering: bool  # the index was dirty at open (tiers/disk_fresh.py)
     def learn(self, after: bytes) -> list[tuple[bytes, bytes]]: ...
 
     def recheck(self, hashes: Sequence[BlockHash]) -> list[BlockHash]: ...
 
     def recover(self, holes: dict[int, np.ndarray]) -> int: ...
+
+    def reclaim(self) -> None: ...
 _YIELD_S = 0.001  # between batches: a background pass lets requests have the interpreter
 
 
@@ -60,7 +61,7 @@ def sweep(tier: Swept) -> None:
         freed = tier.space.walked()
         if freed:
             log.info("disk tier %s: %d free slots found below the marks", tier.root, freed)
-        tier.space.reclaim(tier.segments, tier.segments.step, tier.capacity_bytes)
+        tier.reclaim()
         remove_old_layouts(tier.root)
     except Exception as e:  # a background worker: a failed sweep leaves free slots unused, never a crash
         if not tier.closed:

@@ -179,3 +179,77 @@ def test_slots_a_rebuild_indexed_while_their_space_was_given_back_are_not_handed
     space.reclaim(RebuildWhilePunching(space), 0, 0)
     # None of the slots given back is handed out again: new blocks go past the mark.
     assert space.take_many([4000] * 3)[-1] >= 100
+
+
+class CountingPunches:
+    """Segments whose punch records what it was handed (and may run a nested reclaim, as a
+    concurrent put's or delete's would run beside it)."""
+
+    def __init__(self, space: FreeSlots, nested=None) -> None:
+        self.space, self.root, self.nested, self.punched = space, Path("/nowhere"), nested, []
+
+    def punch(self, c: int, slots) -> int:
+        self.punched += [c] * len(slots)
+        if self.nested:
+            self.nested, nested = None, self.nested
+            nested()
+        return c * len(slots)
+
+
+def test_a_full_tier_evicting_keeps_its_free_slots_whatever_its_slots_overhead():
+    # 1,000 slots of 36 KiB hold 32 KiB objects (12% header and rounding): a full tier of 32 MB.
+    space = FreeSlots({36864: 1000})
+    space.walked()
+    space.take_many([32768] * 1000)
+    # 64 blocks are evicted: the room they leave is what the next put fills.
+    for s in range(64):
+        space.give(32768, s)
+    segs = CountingPunches(space)
+    assert space.reclaim(segs, 4 << 20, 64 * 32768) == 0 and segs.punched == []
+
+
+def test_space_goes_back_from_the_least_used_size_first_and_a_reclaim_beside_it_cuts_no_more():
+    # An old size (100 free slots, none in use) and the size in use (90 of 100 in use, 10 free).
+    space = FreeSlots({65536: 100, 16384: 100})
+    space.walked()
+    space.take_many([16000] * 90)
+    # No room left: the free slots hold 7.7 MiB past a slack of 1 MiB; a second reclaim runs during the punch.
+    segs = CountingPunches(space)
+    segs.nested = lambda: space.reclaim(segs, 1 << 20, 0)
+    space.reclaim(segs, 1 << 20, 0)
+    # Only the old size's slots went back, as many as the excess needs, once.
+    assert set(segs.punched) == {65536} and len(segs.punched) == -(-(100 * 65536 + 10 * 16384 - (1 << 19)) // 65536)
+    assert space.spare_bytes() <= (1 << 19) + 65536
+
+
+def test_after_a_restart_the_free_slots_of_the_size_in_use_keep_their_space(tmp_path, monkeypatch):
+    # An old size was given back; blocks of another fill the capacity, and a third of them are evicted.
+    tier = DiskTier(tmp_path, 32 * MB, fsync=False)
+    hs = [key("a", i) for i in range(256)]
+    assert all(tier.put_many(hs, [block(64 << 10, i) for i in range(256)]))
+    tier.delete_many(hs)
+    big = fill_past_capacity(tier, "big")
+    tier.delete_many(big[:40])
+    tier.close()
+    # Reopened (the holes given back are not known now) and swept.
+    tier = DiskTier(tmp_path, 32 * MB, fsync=False)
+    assert tier.swept.wait(60)
+    # New blocks of the size in use go into its free slots as they are: nothing to allocate again.
+    filled = []
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (filled.append(n), real(fd, off, n)))
+    again = [key("c", i) for i in range(40)]
+    assert all(tier.put_many(again, [block(256 << 10, i) for i in range(40)]))
+    assert filled == []
+    tier.close()
+
+
+def test_a_closed_tier_gives_nothing_back(tmp_path, monkeypatch):
+    # (a put's or delete's reclaim that runs after close would reopen and punch the files)
+    tier = DiskTier(tmp_path, 32 * MB, fsync=False)
+    assert all(tier.put_many([key("a", 0)], [block(64 << 10, 0)]))
+    tier.close()
+    calls = []
+    monkeypatch.setattr(FreeSlots, "reclaim", lambda *a: calls.append(a))
+    tier.reclaim()
+    assert calls == []

@@ -147,6 +147,23 @@ def test_a_slot_of_whole_pages_is_written_to_its_end_and_a_small_one_to_its_obje
     segs.close()
 
 
+def test_a_batch_of_mixed_sizes_is_written_alike_in_c_and_in_python(tmp_path, monkeypatch):
+    # One object with a slot of whole pages and one small one, over old bytes, by each path.
+    hs, objs = [b"a" * 16, b"b" * 16], [torch.full((20_000,), 3, dtype=torch.uint8), torch.full((1_000,), 4, dtype=torch.uint8)]
+    files = {}
+    for path in ("c", "python"):
+        if path == "python":
+            monkeypatch.setattr(disk_slots, "write_slots", None)
+        segs = Segments(tmp_path / path, sync=False)
+        for o in objs:
+            segs.path((slot_size(o.numel()), 0)).write_bytes(b"\xee" * 2 * slot_size(o.numel()))
+        assert None not in segs.write_many(hs, objs, [1, 1])[0]
+        files[path] = {key: segs.path(key).read_bytes() for key in segs.ends()}
+        segs.close()
+    # Byte for byte the same files.
+    assert files["c"] == files["python"] and len(files["c"]) == 2
+
+
 @pytest.mark.parametrize("in_c", [True, False])
 def test_a_batch_whose_file_cannot_grow_writes_nothing_there_and_says_why(tmp_path, monkeypatch, in_c):
     if not in_c:
