@@ -65,7 +65,8 @@ class FreeSlots:
 
     def _take(self, sizes: Sequence[int]) -> tuple[list[int], dict[int, list[int]]]:
         """`take_many`, and the slots handed out that are holes (per slot size):
-        free slots first (last freed first), then holes, then past the mark."""
+        free slots first (the last freed), then holes, then past the mark; a
+        batch of one size gets them in file order."""
         if sizes and sizes.count(sizes[0]) == len(sizes):
             c = slot_size(sizes[0])
             out, holes = self._take_alike(c, len(sizes))
@@ -86,13 +87,15 @@ class FreeSlots:
         return out, holes
 
     def _take_alike(self, c: int, n: int) -> tuple[list[int], list[int]]:
-        """n slots of `c` bytes as `_take` gives them, and which of them are holes."""
+        """n slots of `c` bytes as `_take` picks them, in file order (a batch of slots freed last first
+        is written backwards otherwise: 1.6x the time of forwards for 368 KiB blocks here), and which
+        of them are holes."""
         with self._lock:
             out = _pop(self._free.get(c), n)
             holes = _pop(self._holes.get(c), n - len(out))
             mark = self.marks.get(c, 0)
             self.marks[c] = mark + n - len(out) - len(holes)
-            return out + holes + list(range(mark, self.marks[c])), holes
+        return sorted(out + holes) + list(range(mark, mark + n - len(out) - len(holes))), holes
 
     def write_into(self, segments: Segments, hashes: Sequence[bytes], objs: Sequence[torch.Tensor],
                    sizes: Sequence[int], durable: bool = False
