@@ -150,9 +150,11 @@ class DiskTier(DiskRecords, ByteBudget, Tier):
     def reclaim(self) -> None:
         """Free slots' space past the room left goes back (`FreeSlots.reclaim`); not once closed
         (a close waits for this: it closes the files punched)."""
+        with self._lock:  # a put's reservation is not room taken until its slots are (its own reclaim follows)
+            room = self.capacity_bytes - self._used
         with self._writes.writing():
             if not self.closed:
-                self.space.reclaim(self.segments, self.segments.step, self.free_bytes())
+                self.space.reclaim(self.segments, self.segments.step, room)
 
     def _write_slots(self, hashes: list[BlockHash], objs: list[torch.Tensor], sizes: list[int]) -> list[Written]:
         """Write the objects (of `sizes` bytes) into free slots and make them

@@ -87,7 +87,10 @@ class DiskRecords:
             if self.index.generation != generation:
                 return  # another thread healed it meanwhile
             kept, used = self.segments.records(self._check, self._atimes.tick())
-            marks = self.space.rebuilt({c: max(slots) + 1 for c, slots in used.items()}, used, opening)
+            marks = {c: max(slots) + 1 for c, slots in used.items()}
+            # at open, every slot of the files is known free or used: none is lost to the free lists (an
+            # emptied tier's slots past its last block would hold their space untracked)
+            marks = self.space.rebuilt(self.segments.held(marks) if opening else marks, used, opening)
             self.segments.sync(set(self.segments.ends()))  # slots found in the page cache: durable before indexed
             self.index.replace(problem, kept, marks)
             self._atimes.take()

@@ -15,7 +15,7 @@ whose blocks changed size (another model, another block size) would hold
 its capacity again in every old size's free slots. So once the free slots
 hold more space than the tier could still fill (its capacity less what it
 stores) by a slack, some give theirs back to the filesystem (`reclaim`: the
-least used sizes' first, oldest freed first), and those slots are holes
+sizes written least recently first, oldest freed first), and those slots are holes
 until one is handed out again and allocated before its write
 (`Segments.fill`). Free slots the tier can fill keep their space: deleting
 blocks does not shrink the files, and the next put writes into allocated
@@ -47,6 +47,8 @@ class FreeSlots:
         self._reset(marks, {})
         self._seen: dict[int, np.ndarray] | None = {c: np.zeros(m, dtype=bool) for c, m in marks.items()}
         self._punching = True  # until the filesystem refuses
+        self._taken: dict[int, int] = {}  # slot size -> when slots of it were last taken (a count of takes)
+        self._takes = 0
 
     def _reset(self, marks: dict[int, int], free: dict[int, list[int]]) -> None:
         self.marks = dict(marks)
@@ -75,6 +77,7 @@ class FreeSlots:
         with self._lock:
             for size in sizes:
                 c = slot_size(size)
+                self._took(c)
                 free, hole = self._free.get(c), self._holes.get(c)
                 if free:
                     out.append(free.pop())
@@ -91,6 +94,7 @@ class FreeSlots:
         is written backwards otherwise: 1.6x the time of forwards for 368 KiB blocks here), and which
         of them are holes."""
         with self._lock:
+            self._took(c)
             out = _pop(self._free.get(c), n)
             holes = _pop(self._holes.get(c), n - len(out))
             mark = self.marks.get(c, 0)
@@ -149,8 +153,8 @@ class FreeSlots:
     def reclaim(self, segments: Segments, slack: int, room: int) -> int:
         """Once the free slots holding disk space pass `room` (the bytes the
         tier may still store) by `slack`, give back the space of free slots
-        until they hold room + slack / 2: those of the sizes with the fewest
-        slots in use first (an old block size's), oldest freed first. Free
+        until they hold room + slack / 2: those of the sizes taken from least
+        recently first (an old block size's), oldest freed first. Free
         slots the tier can fill within its capacity keep their space (a hole
         is allocated again before its next write, which costs a store of
         large blocks a quarter of its rate). Bytes given back."""
@@ -159,7 +163,7 @@ class FreeSlots:
             if not self._punching or free <= room + slack:
                 return 0
             cut, epoch, over = {}, self._epoch, free - room - slack // 2
-            for c in sorted(self._free, key=self._in_use):
+            for c in sorted(self._free, key=lambda c: self._taken.get(c, 0)):
                 f = self._free[c]
                 k = min(len(f), -(-over // c))
                 if k > 0:  # out of the lists while punched: nothing hands them out meanwhile
@@ -182,9 +186,10 @@ class FreeSlots:
                     self._holes.setdefault(c, array("Q")).extend(slots[::-1])
         return freed
 
-    def _in_use(self, c: int) -> int:
-        """Slots of `c` bytes handed out and not free (nor holes) now."""
-        return self.marks.get(c, 0) - len(self._free.get(c, ())) - len(self._holes.get(c, ()))
+    def _took(self, c: int) -> None:
+        """Slots of `c` bytes were just taken (caller holds the lock)."""
+        self._takes += 1
+        self._taken[c] = self._takes
 
     def seen(self, values: list[bytes]) -> None:
         """The walk met these index records: their slots are in use."""
