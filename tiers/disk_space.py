@@ -98,8 +98,8 @@ class FreeSlots:
             out = _pop(self._free.get(c), n)
             holes = _pop(self._holes.get(c), n - len(out))
             mark = self.marks.get(c, 0)
-            self.marks[c] = mark + n - len(out) - len(holes)
-        return sorted(out + holes) + list(range(mark, mark + n - len(out) - len(holes))), holes
+            end = self.marks[c] = mark + n - len(out) - len(holes)
+        return sorted(out + holes) + list(range(mark, end)), holes
 
     def write_into(self, segments: Segments, hashes: Sequence[bytes], objs: Sequence[torch.Tensor],
                    sizes: Sequence[int], durable: bool = False

@@ -34,6 +34,21 @@ def block(size: int, i: int) -> torch.Tensor:
     return torch.full((size,), i % 251, dtype=torch.uint8)
 
 
+def stored_and_deleted(tier: DiskTier, tag: str) -> None:
+    """256 blocks of 64 KiB stored, then deleted: their slots are free."""
+    hs = [key(tag, i) for i in range(256)]
+    assert all(tier.put_many(hs, [block(64 << 10, i) for i in range(256)]))
+    tier.delete_many(hs)
+
+
+def fallocations(monkeypatch) -> list[int]:
+    """The lengths the tier asks the filesystem to allocate from now on (still allocated)."""
+    filled: list[int] = []
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (filled.append(n), real(fd, off, n)))
+    return filled
+
+
 def fill_evicting(tier: DiskTier, held: deque, tag: str, size: int, n: int) -> None:
     """Store n blocks of `size` bytes, deleting the oldest held as the store's eviction would."""
     for i in range(n):
@@ -76,9 +91,7 @@ def test_deleted_blocks_leave_their_space_to_the_next_put_within_the_capacity(tm
     tier.delete_many(hs)
     assert allocated(tier) == full
     # New blocks of that size are written into those slots as they are: nothing to allocate again.
-    filled = []
-    real = os.posix_fallocate
-    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (filled.append(n), real(fd, off, n)))
+    filled = fallocations(monkeypatch)
     again = [key("b", i) for i in range(256)]
     assert all(tier.put_many(again, [block(64 << 10, i + 1) for i in range(256)]))
     assert filled == [] and allocated(tier) == full
@@ -90,16 +103,12 @@ def test_slots_given_back_are_allocated_again_before_they_are_written(tmp_path, 
     # Blocks of one size are stored and deleted, then blocks of another fill the capacity: the first
     # size's free slots give their space back.
     tier = DiskTier(tmp_path, 32 * MB, fsync=False)
-    hs = [key("a", i) for i in range(256)]
-    assert all(tier.put_many(hs, [block(64 << 10, i) for i in range(256)]))
-    tier.delete_many(hs)
+    stored_and_deleted(tier, "a")
     before = allocated(tier)
     tier.delete_many(fill_past_capacity(tier, "big"))
     assert allocated(tier) < before + 32 * MB - 8 * MB
     # New blocks of the first size take those slots again, each allocated before its write.
-    filled = []
-    real = os.posix_fallocate
-    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (filled.append(n), real(fd, off, n)))
+    filled = fallocations(monkeypatch)
     again = [key("b", i) for i in range(256)]
     assert all(tier.put_many(again, [block(64 << 10, i + 1) for i in range(256)]))
     assert sum(filled) >= 150 * (64 << 10)
@@ -114,9 +123,7 @@ def test_slots_given_back_are_allocated_again_before_they_are_written(tmp_path, 
 def test_a_hole_the_full_disk_cannot_fill_fails_its_put_and_loses_no_slot(tmp_path, monkeypatch):
     # Slots given back (another size filled the capacity), then the filesystem refuses to allocate them again.
     tier = DiskTier(tmp_path, 32 * MB, fsync=False)
-    hs = [key("a", i) for i in range(256)]
-    assert all(tier.put_many(hs, [block(64 << 10, i) for i in range(256)]))
-    tier.delete_many(hs)
+    stored_and_deleted(tier, "a")
     big = fill_past_capacity(tier, "big")
     kept = tier.space.spare_bytes() // slot_size(64 << 10)
     assert 0 < kept < 128
@@ -150,9 +157,7 @@ def test_a_filesystem_that_cannot_punch_holes_keeps_the_space_and_says_so_once(t
     # Free slots past the capacity twice: one warning, one try, every block still stored and read as before.
     with caplog.at_level(logging.WARNING, logger="tiers.disk_space"):
         for tag in ("a", "b"):
-            hs = [key(tag, i) for i in range(256)]
-            assert all(tier.put_many(hs, [block(64 << 10, i) for i in range(256)]))
-            tier.delete_many(hs)
+            stored_and_deleted(tier, tag)
             tier.delete_many(fill_past_capacity(tier, f"big-{tag}"))
     assert len(calls) == 1 and sum("keep their disk space" in r.message for r in caplog.records) == 1
     assert all(tier.put_many([key("c", 0)], [block(64 << 10, 3)]))
@@ -225,9 +230,7 @@ def test_space_goes_back_from_the_size_written_least_recently_and_a_reclaim_besi
 def test_after_a_restart_the_free_slots_of_the_size_in_use_keep_their_space(tmp_path, monkeypatch):
     # An old size was given back; blocks of another fill the capacity, and a third of them are evicted.
     tier = DiskTier(tmp_path, 32 * MB, fsync=False)
-    hs = [key("a", i) for i in range(256)]
-    assert all(tier.put_many(hs, [block(64 << 10, i) for i in range(256)]))
-    tier.delete_many(hs)
+    stored_and_deleted(tier, "a")
     big = fill_past_capacity(tier, "big")
     tier.delete_many(big[:40])
     tier.close()
@@ -235,9 +238,7 @@ def test_after_a_restart_the_free_slots_of_the_size_in_use_keep_their_space(tmp_
     tier = DiskTier(tmp_path, 32 * MB, fsync=False)
     assert tier.swept.wait(60)
     # New blocks of the size in use go into its free slots as they are: nothing to allocate again.
-    filled = []
-    real = os.posix_fallocate
-    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (filled.append(n), real(fd, off, n)))
+    filled = fallocations(monkeypatch)
     again = [key("c", i) for i in range(40)]
     assert all(tier.put_many(again, [block(256 << 10, i) for i in range(40)]))
     assert filled == []
